@@ -1,0 +1,1 @@
+"""Barrel command-line client."""
