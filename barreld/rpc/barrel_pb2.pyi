@@ -1,0 +1,365 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: bytes
+    max_tokens: int
+    temperature: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    parent_key: str
+    chat: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("path", "restored_tokens", "prefilled_tokens", "tier")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    restored_tokens: int
+    prefilled_tokens: int
+    tier: str
+    def __init__(self, path: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("lookup", "restore", "prefill", "ttft", "total")
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    lookup: float
+    restore: float
+    prefill: float
+    ttft: float
+    total: float
+    def __init__(self, lookup: _Optional[float] = ..., restore: _Optional[float] = ..., prefill: _Optional[float] = ..., ttft: _Optional[float] = ..., total: _Optional[float] = ...) -> None: ...
+
+class CompleteStarted(_message.Message):
+    __slots__ = ("cache", "prompt_tokens", "prompt_key")
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    cache: CacheInfo
+    prompt_tokens: int
+    prompt_key: str
+    def __init__(self, cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., prompt_key: _Optional[str] = ...) -> None: ...
+
+class CompleteToken(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: bytes
+    def __init__(self, text: _Optional[bytes] = ...) -> None: ...
+
+class CompleteDone(_message.Message):
+    __slots__ = ("text", "model", "finish_reason", "key", "prompt_key", "cache", "prompt_tokens", "completion_tokens", "timings_ms")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    text: bytes
+    model: str
+    finish_reason: str
+    key: str
+    prompt_key: str
+    cache: CacheInfo
+    prompt_tokens: int
+    completion_tokens: int
+    timings_ms: Timings
+    def __init__(self, text: _Optional[bytes] = ..., model: _Optional[str] = ..., finish_reason: _Optional[str] = ..., key: _Optional[str] = ..., prompt_key: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings_ms: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class CompleteEvent(_message.Message):
+    __slots__ = ("started", "token", "done")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    started: CompleteStarted
+    token: CompleteToken
+    done: CompleteDone
+    def __init__(self, started: _Optional[_Union[CompleteStarted, _Mapping]] = ..., token: _Optional[_Union[CompleteToken, _Mapping]] = ..., done: _Optional[_Union[CompleteDone, _Mapping]] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint")
+    class PolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    N_BATCH_FIELD_NUMBER: _ClassVar[int]
+    N_SEQ_MAX_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    tier: str
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    policy: _containers.ScalarMap[str, str]
+    fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default")
+    class PolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    N_BATCH_FIELD_NUMBER: _ClassVar[int]
+    N_SEQ_MAX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    QUANT_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    fingerprint: str
+    tier: str
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    state: str
+    running: int
+    queued: int
+    live: int
+    policy: _containers.ScalarMap[str, str]
+    quant: str
+    is_default: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadModelReply(_message.Message):
+    __slots__ = ("saved",)
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    saved: int
+    def __init__(self, saved: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsReply(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class CacheRow(_message.Message):
+    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNT_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    model: str
+    tier: str
+    size: int
+    tokens: int
+    text_bytes: int
+    save_reason: str
+    status: str
+    refcount: int
+    hits: int
+    last_used: float
+    created: float
+    location: str
+    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ...) -> None: ...
+
+class CacheDumpRequest(_message.Message):
+    __slots__ = ("model", "tier")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tier: str
+    def __init__(self, model: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class CacheDumpReply(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[CacheRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[CacheRow, _Mapping]]] = ...) -> None: ...
+
+class TierUsage(_message.Message):
+    __slots__ = ("bytes", "quota", "rows", "root")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    quota: int
+    rows: int
+    root: str
+    def __init__(self, bytes: _Optional[int] = ..., quota: _Optional[int] = ..., rows: _Optional[int] = ..., root: _Optional[str] = ...) -> None: ...
+
+class CacheStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheStatsReply(_message.Message):
+    __slots__ = ("counters", "tiers")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TierUsage
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierUsage, _Mapping]] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    tiers: _containers.MessageMap[str, TierUsage]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., tiers: _Optional[_Mapping[str, TierUsage]] = ...) -> None: ...
+
+class CacheGcRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheGcReply(_message.Message):
+    __slots__ = ("evicted",)
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    def __init__(self, evicted: _Optional[int] = ...) -> None: ...
+
+class CacheEvictBytesRequest(_message.Message):
+    __slots__ = ("bytes", "tiers")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CacheEvictBytesReply(_message.Message):
+    __slots__ = ("evicted", "bytes_freed")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    bytes_freed: int
+    def __init__(self, evicted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class CacheVerifyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheVerifyProgress(_message.Message):
+    __slots__ = ("done", "total")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    done: int
+    total: int
+    def __init__(self, done: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class CacheVerifyResult(_message.Message):
+    __slots__ = ("checked", "bad")
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    BAD_FIELD_NUMBER: _ClassVar[int]
+    checked: int
+    bad: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checked: _Optional[int] = ..., bad: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CacheVerifyEvent(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: CacheVerifyProgress
+    result: CacheVerifyResult
+    def __init__(self, progress: _Optional[_Union[CacheVerifyProgress, _Mapping]] = ..., result: _Optional[_Union[CacheVerifyResult, _Mapping]] = ...) -> None: ...
+
+class SchedulerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerStatusReply(_message.Message):
+    __slots__ = ("status_json",)
+    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
+    status_json: str
+    def __init__(self, status_json: _Optional[str] = ...) -> None: ...
+
+class DaemonStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DaemonStatusReply(_message.Message):
+    __slots__ = ("pid", "uptime_s", "socket", "data_dir", "version", "models", "config")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    uptime_s: float
+    socket: str
+    data_dir: str
+    version: str
+    models: int
+    config: str
+    def __init__(self, pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., data_dir: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[int] = ..., config: _Optional[str] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
