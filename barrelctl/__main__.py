@@ -1,0 +1,3 @@
+from barrelctl.app import main
+
+main()

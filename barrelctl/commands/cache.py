@@ -1,0 +1,179 @@
+"""`barrelctl cache dump | stats | gc | evict-bytes | verify`: look inside the KV cache and free space."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from barreld.sizes import parse_size
+
+from barrelctl import render, state
+from barrelctl.client import rpc_errors
+from barrelctl.errors import EXIT_USAGE, CliError
+
+app = typer.Typer(help="Inspect the KV cache and free space.", no_args_is_help=True)
+TIERS = ("ram", "ram_file", "disk")
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
+
+
+def _tier(value: str | None) -> str:
+    if value is not None and value not in TIERS:
+        raise CliError(f"bad tier {value!r}: use one of {', '.join(TIERS)}", EXIT_USAGE)
+    return value or ""
+
+
+def row_json(r) -> dict:
+    return {
+        "key": r.key,
+        "model": r.model,
+        "tier": r.tier,
+        "size": r.size,
+        "tokens": r.tokens,
+        "text_bytes": r.text_bytes,
+        "save_reason": r.save_reason,
+        "status": r.status,
+        "refcount": r.refcount,
+        "hits": r.hits,
+        "last_used": r.last_used,
+        "created": r.created,
+        "location": r.location or None,
+    }
+
+
+@app.command("dump")
+def cache_dump(
+    model: Annotated[str | None, typer.Option("--model", help="Only rows of this model.")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="Only rows in this tier: ram, ram_file or disk.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """List every index row."""
+    from barreld.rpc import barrel_pb2 as pb
+
+    req = pb.CacheDumpRequest(model=model or "", tier=_tier(tier))
+    with rpc_errors():
+        reply = state.client().stub.CacheDump(req)
+    rows = [row_json(r) for r in reply.rows]
+    if state.want_json(json_out):
+        render.print_json({"rows": rows})
+        return
+    render.table(
+        f"{len(rows)} rows",
+        ("key", "model", "tier", "size", "tokens", "reason", "status", "refs", "hits", "last used", "created"),
+        (
+            (
+                r["key"][:16],
+                r["model"],
+                r["tier"],
+                render.size(r["size"]),
+                r["tokens"],
+                r["save_reason"],
+                r["status"],
+                r["refcount"],
+                r["hits"],
+                render.ago(r["last_used"]),
+                render.ago(r["created"]),
+            )
+            for r in rows
+        ),
+        right=("size", "tokens", "refs", "hits"),
+    )
+
+
+@app.command("stats")
+def cache_stats(json_out: JsonOpt = False) -> None:
+    """Show the counters and per-tier usage against quota."""
+    from barreld.rpc import barrel_pb2 as pb
+
+    with rpc_errors():
+        reply = state.client().stub.CacheStats(pb.CacheStatsRequest())
+    counters = dict(sorted(reply.counters.items()))
+    tiers = {name: {"bytes": t.bytes, "quota": t.quota, "rows": t.rows} for name, t in reply.tiers.items()}
+    if state.want_json(json_out):
+        render.print_json({"counters": counters, "tiers": tiers})
+        return
+    render.table(
+        "tiers",
+        ("tier", "rows", "used", "quota", "use"),
+        (
+            (
+                n,
+                t["rows"],
+                render.size(t["bytes"]),
+                render.size(t["quota"]),
+                f"{100 * t['bytes'] / t['quota']:.1f}%" if t["quota"] else "-",
+            )
+            for n, t in sorted(tiers.items())
+        ),
+        right=("rows", "used", "quota", "use"),
+    )
+    render.table(
+        "counters",
+        ("counter", "value"),
+        ((k, f"{v / 1e6:.1f} ms" if k.endswith("_ns") else v) for k, v in counters.items()),
+        right=("value",),
+    )
+
+
+@app.command("gc")
+def cache_gc(json_out: JsonOpt = False) -> None:
+    """Evict every unreferenced row."""
+    from barreld.rpc import barrel_pb2 as pb
+
+    with rpc_errors():
+        reply = state.client().stub.CacheGc(pb.CacheGcRequest())
+    if state.want_json(json_out):
+        render.print_json({"evicted": reply.evicted})
+    else:
+        render.out.print(f"evicted {reply.evicted} rows")
+
+
+@app.command("evict-bytes")
+def cache_evict_bytes(
+    size: Annotated[
+        str, typer.Argument(help="Bytes to free: a whole number with optional K, M, G, T (powers of 1024).")
+    ],
+    tier: Annotated[
+        list[str] | None, typer.Option("--tier", help="Only from this tier (repeatable; default all).")
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Free at least SIZE bytes, least recently used first."""
+    from barreld.rpc import barrel_pb2 as pb
+
+    try:
+        n = parse_size(size)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    tiers = [_tier(t) for t in tier or []]
+    with rpc_errors():
+        reply = state.client().stub.CacheEvictBytes(pb.CacheEvictBytesRequest(bytes=n, tiers=tiers))
+    if state.want_json(json_out):
+        render.print_json({"evicted": reply.evicted, "bytes_freed": reply.bytes_freed})
+    else:
+        render.out.print(f"evicted {reply.evicted} rows, freed {render.size(reply.bytes_freed)}")
+
+
+@app.command("verify")
+def cache_verify(json_out: JsonOpt = False) -> None:
+    """Re-read every row's file, check it, drop and report bad ones."""
+    from rich.progress import Progress
+
+    from barreld.rpc import barrel_pb2 as pb
+
+    as_json = state.want_json(json_out)
+    result = None
+    with rpc_errors(), Progress(console=render.err, transient=True, disable=as_json) as progress:
+        task = progress.add_task("verifying", total=None)
+        for ev in state.client().stub.CacheVerify(pb.CacheVerifyRequest()):
+            if ev.WhichOneof("event") == "progress":
+                progress.update(task, completed=ev.progress.done, total=ev.progress.total)
+            else:
+                result = ev.result
+    if result is None:
+        raise CliError("the daemon closed the verify stream without a result")
+    if as_json:
+        render.print_json({"checked": result.checked, "bad": list(result.bad)})
+        return
+    render.out.print(f"checked {result.checked} rows, {len(result.bad)} bad")
+    for key in result.bad:
+        render.out.print(f"  dropped {key}")

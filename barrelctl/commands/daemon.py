@@ -1,0 +1,78 @@
+"""`barrelctl daemon status | stop`."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import psutil
+import typer
+
+from barrelctl import render, state
+from barrelctl.client import rpc_errors
+from barrelctl.errors import EXIT_UNREACHABLE, CliError
+
+app = typer.Typer(help="Is barreld up; stop it cleanly.", no_args_is_help=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
+
+
+def _status(timeout: float):
+    from barreld.rpc import barrel_pb2 as pb
+
+    with rpc_errors():
+        return state.client().stub.DaemonStatus(pb.DaemonStatusRequest(), timeout=timeout)
+
+
+@app.command("status")
+def daemon_status(json_out: JsonOpt = False) -> None:
+    """Show pid, uptime, socket, data dir and version (exit 3 when no daemon answers)."""
+    state.options.autostart = False
+    s = _status(5.0)
+    doc = {
+        "running": True,
+        "pid": s.pid,
+        "uptime_s": round(s.uptime_s, 3),
+        "socket": s.socket,
+        "data_dir": s.data_dir,
+        "version": s.version,
+        "models": s.models,
+        "config": s.config or None,
+    }
+    if state.want_json(json_out):
+        render.print_json(doc)
+    else:
+        render.pairs(
+            "barreld",
+            [
+                ("pid", s.pid),
+                ("uptime", render.duration(s.uptime_s)),
+                ("socket", s.socket),
+                ("data dir", s.data_dir),
+                ("version", s.version),
+                ("models", s.models),
+                ("config", s.config or "(built-in defaults)"),
+            ],
+        )
+
+
+@app.command("stop")
+def daemon_stop(json_out: JsonOpt = False) -> None:
+    """Ask barreld to shut down cleanly and wait until it has gone."""
+    from barreld.rpc import barrel_pb2 as pb
+
+    state.options.autostart = False
+    client = state.client()
+    pid = _status(5.0).pid
+    with rpc_errors():
+        client.stub.Shutdown(pb.ShutdownRequest(), timeout=5.0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    else:
+        raise CliError(f"barreld pid {pid} did not stop within 60s", EXIT_UNREACHABLE)
+    if state.want_json(json_out):
+        render.print_json({"stopped": True, "pid": pid})
+    else:
+        render.out.print(f"barreld pid {pid} stopped")

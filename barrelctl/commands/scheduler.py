@@ -1,0 +1,55 @@
+"""`barrelctl scheduler status`: the memory-pressure scheduler."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from barrelctl import render, state
+from barrelctl.client import rpc_errors
+
+app = typer.Typer(help="The memory-pressure scheduler.", no_args_is_help=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
+
+
+def _ratio(sample: dict | None) -> str:
+    if not sample:
+        return "-"
+    return f"{sample['ratio']:.3f} ({render.size(sample['used'])} of {render.size(sample['total'])})"
+
+
+@app.command("status")
+def scheduler_status(json_out: JsonOpt = False) -> None:
+    """Show whether it is enabled, its source, watermarks, last sample and last eviction."""
+    from barreld.rpc import barrel_pb2 as pb
+
+    with rpc_errors():
+        reply = state.client().stub.SchedulerStatus(pb.SchedulerStatusRequest())
+    doc = json.loads(reply.status_json)
+    if state.want_json(json_out):
+        render.print_json(doc)
+        return
+    last = doc.get("last_eviction") or {}
+    rows = [
+        ("enabled", doc.get("enabled")),
+        ("source", doc.get("source")),
+        ("available", doc.get("available", "-") if doc.get("enabled") else "-"),
+        ("watermarks", f"high {doc.get('high_watermark')} / low {doc.get('low_watermark')}"),
+        ("interval", f"{doc.get('interval_ms')} ms"),
+        ("evict tiers", ", ".join(doc.get("evict_tiers", []))),
+        ("last sample", _ratio(doc.get("last_sample"))),
+        (
+            "last eviction",
+            f"{last.get('evicted', 0)} rows, {render.size(last.get('bytes_freed', 0))}, {render.ago(last.get('at', 0))}"
+            if last
+            else "never",
+        ),
+        ("evicted in all", f"{doc.get('evictions_total', 0)} rows, {render.size(doc.get('bytes_freed_total', 0))}"),
+    ]
+    if doc.get("unavailable_reason"):
+        rows.append(("unavailable", doc["unavailable_reason"]))
+    for e in doc.get("errors", [])[-3:]:
+        rows.append(("error", e))
+    render.pairs("scheduler", rows)

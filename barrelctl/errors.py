@@ -1,0 +1,25 @@
+"""Exit codes of the contract, and the one mapping from gRPC status codes to them."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+
+class CliError(Exception):
+    """An expected failure: printed as one line on stderr, then the process exits with `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def exit_code_for(status_name: str) -> int:
+    """INVALID_ARGUMENT is the caller's mistake (2); UNAVAILABLE means no daemon (3); the rest failed (1)."""
+    if status_name == "INVALID_ARGUMENT":
+        return EXIT_USAGE
+    if status_name == "UNAVAILABLE":
+        return EXIT_UNREACHABLE
+    return EXIT_FAILED

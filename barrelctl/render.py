@@ -1,0 +1,63 @@
+"""Human output: rich tables and human sizes and times. JSON output does not come through here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+
+
+def print_json(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def size(n: int | float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def ago(ts: float, now: float | None = None) -> str:
+    if not ts:
+        return "-"
+    d = (now or time.time()) - ts
+    if d < 0:
+        return "just now"
+    for limit, div, unit in ((60, 1, "s"), (3600, 60, "min"), (86400, 3600, "h")):
+        if d < limit:
+            return f"{d / div:.0f} {unit} ago"
+    return f"{d / 86400:.1f} d ago"
+
+
+def duration(seconds: float) -> str:
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
+
+
+def table(
+    title: str | None, columns: Sequence[str], rows: Iterable[Sequence[object]], right: Iterable[str] = ()
+) -> None:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    right = set(right)
+    for c in columns:
+        t.add_column(c, justify="right" if c in right else "left", overflow="fold")
+    for r in rows:
+        t.add_row(*(str(x) for x in r))
+    out.print(t)
+
+
+def pairs(title: str | None, items: Iterable[tuple[str, object]]) -> None:
+    table(title, ("field", "value"), items)

@@ -1,0 +1,36 @@
+"""The global options of one barrelctl run, and the lazily opened client they configure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from barrelctl.client import Client
+
+
+@dataclass
+class Options:
+    socket: Path | None = None
+    json: bool = False
+    autostart: bool = True
+    client: Client | None = None
+
+
+options = Options()
+
+
+def client() -> Client:
+    if options.client is None:
+        options.client = Client(options.socket, autostart=options.autostart)
+    return options.client
+
+
+def want_json(local: bool) -> bool:
+    """--json may come before the command (global) or after it (on the command itself)."""
+    return options.json or local
+
+
+def close() -> None:
+    if options.client is not None:
+        options.client.close()
+        options.client = None

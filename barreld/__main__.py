@@ -1,0 +1,5 @@
+import sys
+
+from barreld.main import main
+
+sys.exit(main())

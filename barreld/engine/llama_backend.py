@@ -1,0 +1,212 @@
+"""Backend over llama.cpp's C API (through llama-cpp-python's ctypes bindings).
+
+The high-level `Llama` class is avoided on purpose: the cache needs direct control of sequences,
+batches and per-sequence KV state, and `Llama.save_state()` copies the whole context through Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from barreld.engine.backend import BackendError, BatchItem
+
+log = logging.getLogger(__name__)
+
+_init_lock = threading.Lock()
+_initialised = False
+GGUF_MAGIC = b"GGUF"
+
+
+def _llama():
+    """Import llama_cpp once, silence its C logging (barreld has its own log) and init the backend."""
+    global _initialised
+    import llama_cpp
+    from llama_cpp import _logger
+
+    with _init_lock:
+        if not _initialised:
+            _logger.set_verbose(False)
+            llama_cpp.llama_backend_init()
+            _initialised = True
+    return llama_cpp
+
+
+class ModelLoadError(Exception):
+    """The file is missing, is not a GGUF, or llama.cpp could not load it."""
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    n_ctx: int = 4096  # cells per sequence
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 0  # 0: the number of usable cores
+    type_k: int = 1  # GGML_TYPE_F16
+    type_v: int = 1
+    flash_attn: bool = False
+
+
+class LlamaBackend:
+    """One model and one context holding n_seq_max sequences of n_ctx cells each."""
+
+    def __init__(self, path: Path, settings: ContextSettings) -> None:
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        with path.open("rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+        L = _llama()
+        self._L = L
+        self.path = path
+        self.settings = settings
+        mparams = L.llama_model_default_params()
+        self._model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {path}: corrupt or unsupported GGUF")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        n_ctx_train = L.llama_model_n_ctx_train(self._model)
+        if settings.n_ctx > n_ctx_train:
+            L.llama_model_free(self._model)
+            raise ModelLoadError(f"n_ctx {settings.n_ctx} exceeds the model's training context {n_ctx_train}")
+        threads = settings.n_threads or len(os.sched_getaffinity(0))
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = settings.n_ctx * settings.n_seq_max
+        cparams.n_batch = settings.n_batch
+        cparams.n_ubatch = settings.n_batch
+        cparams.n_seq_max = settings.n_seq_max
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.type_k = settings.type_k
+        cparams.type_v = settings.type_v
+        cparams.flash_attn_type = 1 if settings.flash_attn else 0
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        self.rope_freq_base = float(cparams.rope_freq_base)
+        self.rope_freq_scale = float(cparams.rope_freq_scale)
+        self._ctx = L.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise ModelLoadError(f"llama.cpp could not create a context for {path}")
+        self._mem = L.llama_get_memory(self._ctx)
+        self.n_ctx = settings.n_ctx
+        self.n_batch = settings.n_batch
+        self.n_seq_max = settings.n_seq_max
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.ftype = L.llama_model_ftype(self._model)
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._piece_buf = ctypes.create_string_buffer(512)
+        self._pieces: dict[int, bytes] = {}
+        self._template = L.llama_model_chat_template(self._model, None)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.raw[:n].decode("utf-8", "replace") if n >= 0 else None
+
+    def tokenize(self, data: bytes) -> list[int]:
+        """Special tokens in the text are parsed, so a rendered chat template round-trips exactly."""
+        return self._tokenize(data, True)
+
+    def tokenize_tail(self, data: bytes) -> list[int]:
+        """Tokenises text that continues a sequence: no BOS or other added special tokens."""
+        return self._tokenize(data, False)
+
+    def _tokenize(self, data: bytes, add_special: bool) -> list[int]:
+        L = self._L
+        cap = len(data) + 8
+        arr = (L.llama_token * cap)()
+        n = L.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            arr = (L.llama_token * cap)()
+            n = L.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, True)
+        return list(arr[:n])
+
+    def piece(self, token: int) -> bytes:
+        cached = self._pieces.get(token)
+        if cached is None:
+            n = self._L.llama_token_to_piece(self._vocab, token, self._piece_buf, len(self._piece_buf), 0, True)
+            if n < 0:
+                raise BackendError(f"token {token} renders to more than {len(self._piece_buf)} bytes")
+            cached = self._pieces[token] = self._piece_buf.raw[:n]
+        return cached
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._L.llama_vocab_is_eog(self._vocab, token))
+
+    def decode(self, items: list[BatchItem]) -> None:
+        if not items or len(items) > self.n_batch:
+            raise BackendError(f"batch of {len(items)} tokens (n_batch {self.n_batch})")
+        b = self._batch
+        b.n_tokens = len(items)
+        for i, it in enumerate(items):
+            b.token[i] = it.token
+            b.pos[i] = it.pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = it.seq
+            b.logits[i] = it.logits
+        rc = self._L.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise BackendError(f"llama_decode failed with code {rc}")
+
+    def logits(self, index: int) -> np.ndarray:
+        ptr = self._L.llama_get_logits_ith(self._ctx, index)
+        if not ptr:
+            raise BackendError(f"no logits for batch position {index}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        if not self._L.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise BackendError(f"could not remove positions {p0}..{p1} of sequence {seq}")
+
+    def state_get(self, seq: int) -> bytearray:
+        size = self._L.llama_state_seq_get_size(self._ctx, seq)
+        out = bytearray(size)
+        dst = (ctypes.c_uint8 * size).from_buffer(out)
+        got = self._L.llama_state_seq_get_data(self._ctx, dst, size, seq)
+        del dst
+        if got != size:
+            raise BackendError(f"state of sequence {seq}: got {got} of {size} bytes")
+        return out
+
+    def state_set(self, seq: int, data: memoryview) -> None:
+        """Loads a sequence's KV state; `data` may be read-only (mmap), so ctypes gets a pointer, not a copy."""
+        self.seq_rm(seq, 0, -1)
+        size = data.nbytes
+        holder = np.frombuffer(data, dtype=np.uint8)
+        src = holder.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        got = self._L.llama_state_seq_set_data(self._ctx, src, size, seq)
+        if got != size:
+            self.seq_rm(seq, 0, -1)
+            raise BackendError(f"llama.cpp rejected a state of {size} bytes for sequence {seq}")
+
+    def render_chat(self, user_text: bytes) -> bytes:
+        """Renders one user turn through the model's own (Jinja) chat template, ending with the assistant cue."""
+        if not self._template:
+            raise BackendError("this model has no chat template; send the prompt without --chat")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = user_text.decode("utf-8", "replace")
+        rendered = env.from_string(self._template.decode("utf-8")).render(
+            messages=[{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            bos_token=self.piece(self._L.llama_vocab_bos(self._vocab)).decode("utf-8", "replace"),
+            eos_token=self.piece(self._L.llama_vocab_eos(self._vocab)).decode("utf-8", "replace"),
+        )
+        return rendered.encode()
+
+    def close(self) -> None:
+        L = self._L
+        if self._ctx:
+            L.llama_batch_free(self._batch)
+            L.llama_free(self._ctx)
+            L.llama_model_free(self._model)
+            self._ctx = None

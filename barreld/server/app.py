@@ -1,0 +1,114 @@
+"""Wires one daemon together: config → cache store → models → pressure scheduler → gRPC server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from barreld.config import Config
+from barreld.engine.registry import LoadOptions, ModelRegistry
+from barreld.errors import BarrelError
+from barreld.server.daemon import DataDirLock, GrpcServer, ShutdownSignal, StartupError, notify_systemd
+from barreld.server.servicer import Servicer
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    def __init__(self, config: Config, *, data_dir: Path, socket: Path, config_path: Path | None) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.socket = socket
+        self.config_path = config_path
+        self.lock = DataDirLock(data_dir)
+        self.signal = ShutdownSignal()
+        self.store = None
+        self.scheduler = None
+        self.registry: ModelRegistry | None = None
+        self.server: GrpcServer | None = None
+        self.servicer: Servicer | None = None
+
+    def start(self) -> None:
+        self.lock.acquire()
+        self.signal.install()
+        self.store = self._open_store()
+        self.registry = ModelRegistry(self.store, self.config.policy)
+        self.servicer = Servicer(
+            self.registry,
+            self.store,
+            socket=self.socket,
+            data_dir=self.data_dir,
+            config=self.config_path,
+            load_defaults=lambda: LoadOptions(),
+            scheduler_status=self._scheduler_status,
+            request_shutdown=self.signal.request,
+        )
+        self.server = GrpcServer(self.servicer, self.socket)
+        self.server.start()
+        self._load_configured_models()
+        notify_systemd("READY=1")
+
+    def _open_store(self):
+        from barreld.cache import CacheStore
+        from barreld.cache import TierConfig as StoreTier
+
+        tiers = {name: StoreTier(quota=t.quota, root=t.root) for name, t in self.config.tiers.items()}
+        kwargs = {"writers": self.config.writers} if self.config.writers else {}
+        try:
+            store = CacheStore(self.data_dir, tiers, **kwargs)
+            store.open()
+        except Exception as exc:
+            raise StartupError(f"cannot open the cache in {self.data_dir}: {exc}") from exc
+        return store
+
+    def _load_configured_models(self) -> None:
+        for m in self.config.models:
+            fp = m.fingerprint or "gguf_chunked"
+            if fp == "fast_unsafe":
+                fp = f"fast_unsafe:{m.fingerprint_digest}"
+            opts = LoadOptions(
+                path=m.path,
+                tier=m.tier or "disk",
+                n_ctx=m.n_ctx or 4096,
+                n_batch=m.n_batch or 512,
+                n_seq_max=m.n_seq_max or 1,
+                policy=m.policy.as_dict(),
+                fingerprint=fp,
+            )
+            try:
+                self.registry.load(m.name, opts)
+            except BarrelError as exc:
+                log.error("config model %s not loaded: %s", m.name, exc)
+
+    def _scheduler_status(self) -> dict:
+        if self.scheduler is None:
+            s = self.config.scheduler
+            return {
+                "enabled": False,
+                "source": s.pressure_source,
+                "high_watermark": s.high_watermark,
+                "low_watermark": s.low_watermark,
+                "interval_ms": s.interval_ms,
+                "evict_tiers": list(s.evict_tiers),
+            }
+        return self.scheduler.status()
+
+    def wait(self) -> None:
+        self.signal.wait()
+
+    def shutdown(self) -> None:
+        """Stop accepting, cancel in-flight work, run shutdown saves, flush writers, close LMDB."""
+        log.info("shutting down")
+        self.servicer.stopping = True
+        self.server.stop_accepting()
+        stopper = threading.Thread(target=self.server.stop, args=(5.0,), daemon=True)
+        stopper.start()
+        saved = self.registry.close()
+        stopper.join(6.0)
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.store is not None:
+            self.store.close()
+        self.lock.release()
+        log.info("stopped (%d shutdown saves)", saved)

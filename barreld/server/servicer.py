@@ -1,0 +1,215 @@
+"""gRPC servicer: validates requests, calls the registry or the cache, and converts results to messages."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+
+import barreld
+from barreld.engine.registry import TIERS, LoadedModel, LoadOptions, ModelRegistry
+from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Failed, Started, Token
+from barreld.errors import InvalidArgument, Unavailable
+from barreld.rpc import barrel_pb2 as pb
+from barreld.rpc import barrel_pb2_grpc as pb_grpc
+from barreld.server.status import rpc
+
+if TYPE_CHECKING:
+    from barreld.cache import CacheStore
+
+MAX_STOPS = 16
+MAX_STOP_BYTES = 256
+MAX_MODEL_NAME = 128
+
+
+def parse_key(text: str, what: str) -> bytes:
+    if len(text) != 64:
+        raise InvalidArgument(f"bad {what} {text[:80]!r}: expected 64 hex digits")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise InvalidArgument(f"bad {what} {text[:80]!r}: expected 64 hex digits") from None
+
+
+def completion_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if not 1 <= max_tokens <= n_ctx:
+        raise InvalidArgument(f"bad max_tokens {max_tokens}: expected 1..{n_ctx} (the model's n_ctx)")
+    if not math.isfinite(req.temperature) or not 0 <= req.temperature <= 100:
+        raise InvalidArgument(f"bad temperature {req.temperature}: expected a number from 0 to 100")
+    if len(req.stop) > MAX_STOPS:
+        raise InvalidArgument(f"too many stop strings ({len(req.stop)}); at most {MAX_STOPS}")
+    stops = tuple(s.encode() for s in req.stop)
+    if any(not s or len(s) > MAX_STOP_BYTES for s in stops):
+        raise InvalidArgument(f"each stop string must be 1..{MAX_STOP_BYTES} bytes")
+    if not req.prompt:
+        raise InvalidArgument("the prompt is empty; pass some text")
+    parent = parse_key(req.parent_key, "parent key") if req.parent_key else None
+    return CompletionParams(
+        prompt=req.prompt,
+        chat=req.chat,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        seed=req.seed if req.HasField("seed") else None,
+        stop=stops,
+        parent_key=parent,
+    )
+
+
+def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
+    counts = m.worker.counts()
+    state = "busy" if counts["running"] else "ready"
+    return pb.ModelInfo(
+        name=m.name,
+        path=str(m.path),
+        fingerprint=m.fingerprint.hex(),
+        tier=m.options.tier,
+        n_ctx=m.options.n_ctx,
+        n_batch=m.options.n_batch,
+        n_seq_max=m.options.n_seq_max,
+        state=state,
+        running=counts["running"],
+        queued=counts["queued"],
+        live=counts["live"],
+        policy={k: str(v) for k, v in m.policy.as_dict().items()},
+        quant=m.quant,
+        is_default=m.name == default,
+    )
+
+
+def cache_info(c) -> pb.CacheInfo:
+    return pb.CacheInfo(
+        path=c.path, restored_tokens=c.restored_tokens, prefilled_tokens=c.prefilled_tokens, tier=c.tier or ""
+    )
+
+
+class Servicer(pb_grpc.BarrelServicer):
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        store: CacheStore | None,
+        *,
+        socket: Path,
+        data_dir: Path,
+        config: Path | None,
+        load_defaults: Callable[[], LoadOptions],
+        scheduler_status: Callable[[], dict],
+        request_shutdown: Callable[[], None],
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.socket = socket
+        self.data_dir = data_dir
+        self.config = config
+        self.load_defaults = load_defaults
+        self.scheduler_status = scheduler_status
+        self.request_shutdown = request_shutdown
+        self.started = time.time()
+        self.stopping = False
+
+    def _check_open(self) -> None:
+        if self.stopping:
+            raise Unavailable("barreld is shutting down; retry in a moment")
+
+    @rpc
+    def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[pb.CompleteEvent]:
+        self._check_open()
+        if len(request.model) > MAX_MODEL_NAME:
+            raise InvalidArgument(f"bad model name: longer than {MAX_MODEL_NAME} characters")
+        model = self.registry.get(request.model)
+        params = completion_params(request, model.options.n_ctx)
+        worker = model.worker
+        req = worker.submit(params)
+
+        def on_done() -> None:
+            req.cancel()
+            worker.wake()
+
+        context.add_callback(on_done)
+        while True:
+            ev = req.events.get()
+            if isinstance(ev, Started):
+                yield pb.CompleteEvent(
+                    started=pb.CompleteStarted(
+                        cache=cache_info(ev.cache), prompt_tokens=ev.prompt_tokens, prompt_key=ev.prompt_key.hex()
+                    )
+                )
+            elif isinstance(ev, Token):
+                yield pb.CompleteEvent(token=pb.CompleteToken(text=ev.text))
+            elif isinstance(ev, Done):
+                t = ev.timings
+                yield pb.CompleteEvent(
+                    done=pb.CompleteDone(
+                        text=ev.text,
+                        model=model.name,
+                        finish_reason=ev.finish_reason,
+                        key=ev.key.hex(),
+                        prompt_key=ev.prompt_key.hex(),
+                        cache=cache_info(ev.cache),
+                        prompt_tokens=ev.prompt_tokens,
+                        completion_tokens=ev.completion_tokens,
+                        timings_ms=pb.Timings(
+                            lookup=t.lookup, restore=t.restore, prefill=t.prefill, ttft=t.ttft, total=t.total
+                        ),
+                    )
+                )
+                return
+            elif isinstance(ev, Failed):
+                raise ev.error
+
+    @rpc
+    def LoadModel(self, request: pb.LoadModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+        self._check_open()
+        base = self.load_defaults()
+        if request.tier and request.tier not in TIERS:
+            raise InvalidArgument(f"unknown tier {request.tier!r}; use one of {', '.join(TIERS)}")
+        opts = LoadOptions(
+            path=Path(request.path) if request.path else None,
+            tier=request.tier or base.tier,
+            n_ctx=request.n_ctx or base.n_ctx,
+            n_batch=request.n_batch or base.n_batch,
+            n_seq_max=request.n_seq_max or base.n_seq_max,
+            policy={**base.policy, **dict(request.policy)},
+            fingerprint=request.fingerprint or base.fingerprint,
+        )
+        for what, value in (("n_ctx", request.n_ctx), ("n_batch", request.n_batch), ("n_seq_max", request.n_seq_max)):
+            if value < 0:
+                raise InvalidArgument(f"bad {what} {value}: must be positive")
+        model = self.registry.load(request.name, opts)
+        return model_info(model, self.registry.default_name)
+
+    @rpc
+    def UnloadModel(self, request: pb.UnloadModelRequest, context: grpc.ServicerContext) -> pb.UnloadModelReply:
+        return pb.UnloadModelReply(saved=self.registry.unload(request.name))
+
+    @rpc
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsReply:
+        default = self.registry.default_name
+        return pb.ListModelsReply(models=[model_info(m, default) for m in self.registry.models()])
+
+    @rpc
+    def SchedulerStatus(self, request, context) -> pb.SchedulerStatusReply:
+        return pb.SchedulerStatusReply(status_json=json.dumps(self.scheduler_status()))
+
+    @rpc
+    def DaemonStatus(self, request, context) -> pb.DaemonStatusReply:
+        return pb.DaemonStatusReply(
+            pid=os.getpid(),
+            uptime_s=time.time() - self.started,
+            socket=str(self.socket),
+            data_dir=str(self.data_dir),
+            version=barreld.__version__,
+            models=len(self.registry.models()),
+            config=str(self.config or ""),
+        )
+
+    @rpc
+    def Shutdown(self, request, context) -> pb.ShutdownReply:
+        self.request_shutdown()
+        return pb.ShutdownReply()
