@@ -5,6 +5,7 @@ either entirely valid or not returned at all, so nothing downstream re-checks it
 file are relative to the file's directory; `~` is expanded.
 """
 
+import dataclasses
 import os
 import re
 import tomllib
@@ -152,7 +153,7 @@ class _Reader:
         writers = self.integer(daemon["writers"], "daemon.writers", 1) if "writers" in daemon else None
         tiers = self.tiers(data, data_dir)
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
-        scheduler = self.scheduler(self.table(data, "scheduler", tuple(SchedulerConfig.__dataclass_fields__)))
+        scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
         return Config(path, data_dir, socket, writers, tiers, policy, scheduler, models)
 
@@ -209,7 +210,7 @@ class _Reader:
     def models(self, entries: object, policy: Policy) -> tuple[ModelConfig, ...]:
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             self.fail("models", "expected an array of tables: [[models]]")
-        allowed = tuple(ModelConfig.__dataclass_fields__)
+        allowed = _field_names(ModelConfig)
         models: list[ModelConfig] = []
         for index, entry in enumerate(entries):
             key = f"models[{index}]"
@@ -354,3 +355,8 @@ def _xdg_home(variable: str, fallback: str) -> Path:
     """An XDG base directory: the variable when it is an absolute path (as the spec says), else ~/fallback."""
     value = os.environ.get(variable, "")
     return Path(value) if os.path.isabs(value) else Path.home() / fallback
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A settings dataclass's fields: exactly the keys its TOML table may hold."""
+    return tuple(f.name for f in dataclasses.fields(cls))

@@ -6,11 +6,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
-from barreld.pressure.scheduler import PressureScheduler, check_watermarks
+from barreld.pressure.scheduler import Evict, PressureScheduler, check_watermarks
 from barreld.pressure.sources import (
     ModuleSource,
     NoopSource,
@@ -91,7 +92,7 @@ def file_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FileSource:
     return FileSource(tmp_path, monkeypatch)
 
 
-def scheduler(source_spec: str, evict, **kwargs) -> PressureScheduler:  # noqa: ANN001
+def scheduler(source_spec: str, evict: Evict, **kwargs: Any) -> PressureScheduler:
     kwargs.setdefault("enabled", True)
     kwargs.setdefault("high_watermark", 0.85)
     kwargs.setdefault("low_watermark", 0.75)
