@@ -1,0 +1,362 @@
+"""The daemon's TOML config file (CONTRACT.md, "Config file"): read, validated whole, frozen.
+
+A bad file stops `barreld` at start with one line naming the file, the key and the problem; a config is
+either entirely valid or not returned at all, so nothing downstream re-checks it. Relative paths in the
+file are relative to the file's directory; `~` is expanded.
+"""
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NoReturn
+
+from barreld.cache.policy import Policy, PolicyError
+from barreld.pressure.scheduler import check_watermarks
+from barreld.pressure.sources import check_source_spec
+from barreld.sizes import parse_size
+
+TIER_NAMES = ("ram", "ram_file", "disk")
+FINGERPRINT_MODES = ("safe", "gguf_chunked", "fast_unsafe")
+BUNDLED_MODEL = "smollm2"
+"""The one model name that may omit `path`: the contract's bundled default."""
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_TOML_POSITION = re.compile(r"^(?P<what>.*?) \(at (?P<where>line \d+, column \d+)\)$")
+
+
+class ConfigError(Exception):
+    """What is wrong with a config file, as one line: `<file>: <key>: <what is wrong>`."""
+
+    def __init__(self, file: str, key: str | None, reason: str) -> None:
+        self.file, self.key, self.reason = file, key, " ".join(reason.split())
+        where = f"{file}: {key}" if key else file
+        super().__init__(f"{where}: {self.reason}")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One storage tier: its byte quota, and for file tiers the directory that holds the files."""
+
+    name: str
+    quota: int
+    root: Path | None  # None for `ram`, which holds bytes in the daemon
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The memory-pressure scheduler's settings; off by default, as in the guide."""
+
+    enabled: bool = False
+    pressure_source: str = "system"
+    interval_ms: int = 5000
+    high_watermark: float = 0.85
+    low_watermark: float = 0.75
+    evict_tiers: tuple[str, ...] = ("ram", "ram_file")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model loaded at start, as `barrelctl load` would: None means that option's default."""
+
+    name: str
+    path: Path | None = None
+    tier: str | None = None
+    n_ctx: int | None = None
+    n_batch: int | None = None
+    n_seq_max: int | None = None
+    fingerprint: str | None = None
+    fingerprint_digest: str | None = None  # the operator's digest, with fingerprint = "fast_unsafe"
+    policy: Policy = field(default_factory=Policy)  # the daemon's [policy] with this model's table applied
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration; `path` is the file it came from, None for built-in defaults."""
+
+    path: Path | None
+    data_dir: Path
+    socket: Path | None  # None: the contract's default socket path
+    writers: int | None  # None: the writer pool's own default
+    tiers: Mapping[str, TierConfig]
+    policy: Policy
+    scheduler: SchedulerConfig
+    models: tuple[ModelConfig, ...]
+
+
+def default_config_path() -> Path | None:
+    """The first config file that exists: $XDG_CONFIG_HOME/barrel/barreld.toml, then /etc/barrel/."""
+    for candidate in (
+        _xdg_home("XDG_CONFIG_HOME", ".config") / "barrel/barreld.toml",
+        Path("/etc/barrel/barreld.toml"),
+    ):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/barrel, the contract's data dir outside systemd (which passes --data-dir)."""
+    return _xdg_home("XDG_DATA_HOME", ".local/share") / "barrel"
+
+
+def load_config(path: Path | None, data_dir: Path | None = None) -> Config:
+    """Read and validate `path` (None: built-in defaults only); raise ConfigError on any problem.
+
+    The data dir is `data_dir` when given (the command line wins), else the file's `[daemon] data_dir`,
+    else `default_data_dir()`. Tier roots must be writable directories or creatable as such.
+    """
+    file = str(path) if path is not None else "(built-in defaults)"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(file, None, f"cannot read: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(file, None, f"not UTF-8 text: {e}") from e
+        except tomllib.TOMLDecodeError as e:
+            match = _TOML_POSITION.match(str(e))
+            if match:
+                raise ConfigError(file, match["where"], f"TOML syntax error: {match['what']}") from e
+            raise ConfigError(file, None, f"TOML syntax error: {e}") from e
+    base = path.parent if path is not None else Path.cwd()
+    return _Reader(file, base).config(path, data, data_dir)
+
+
+class _Reader:
+    """Reads one parsed file; every check raises ConfigError naming the dotted key."""
+
+    def __init__(self, file: str, base: Path) -> None:
+        self.file = file
+        self.base = base
+
+    def fail(self, key: str, reason: str) -> NoReturn:
+        raise ConfigError(self.file, key, reason)
+
+    def config(self, path: Path | None, data: dict[str, Any], data_dir: Path | None) -> Config:
+        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models"))
+        daemon = self.table(data, "daemon", ("socket", "data_dir", "writers"))
+        if data_dir is not None:
+            data_dir, data_dir_key = data_dir.expanduser().absolute(), "data_dir"
+        elif "data_dir" in daemon:
+            data_dir, data_dir_key = self.path(daemon["data_dir"], "daemon.data_dir"), "daemon.data_dir"
+        else:
+            data_dir, data_dir_key = default_data_dir(), "data_dir"
+        self.writable_dir(data_dir, data_dir_key)
+        socket = self.path(daemon["socket"], "daemon.socket") if "socket" in daemon else None
+        writers = self.integer(daemon["writers"], "daemon.writers", 1) if "writers" in daemon else None
+        tiers = self.tiers(data, data_dir)
+        policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
+        scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
+        models = self.models(data.get("models", []), policy)
+        return Config(path, data_dir, socket, writers, tiers, policy, scheduler, models)
+
+    def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
+        tables = self.table(data, "tiers", TIER_NAMES)
+        defaults: dict[str, tuple[str, Path | None]] = {
+            "ram": ("2G", None),
+            "ram_file": ("4G", Path(f"/dev/shm/barrel-{os.getuid()}")),
+            "disk": ("50G", data_dir / "kvc"),
+        }
+        tiers = {}
+        for name, (quota, root) in defaults.items():
+            table = self.table(
+                tables, name, ("quota",) if root is None else ("quota", "root"), f"tiers.{name}"
+            )
+            key = f"tiers.{name}"
+            try:
+                quota_bytes = parse_size(table.get("quota", quota))
+            except ValueError as e:
+                self.fail(f"{key}.quota", str(e))
+            if "root" in table:
+                root = self.path(table["root"], f"{key}.root")
+            if root is not None:
+                self.writable_dir(root, f"{key}.root")
+            tiers[name] = TierConfig(name, quota_bytes, root)
+        if tiers["ram_file"].root == tiers["disk"].root:
+            self.fail("tiers.disk.root", "must not be the same directory as tiers.ram_file.root")
+        return MappingProxyType(tiers)
+
+    def scheduler(self, table: dict[str, Any]) -> SchedulerConfig:
+        d = SchedulerConfig()
+        enabled = self.boolean(table.get("enabled", d.enabled), "scheduler.enabled")
+        source = self.string(table.get("pressure_source", d.pressure_source), "scheduler.pressure_source")
+        try:
+            check_source_spec(source)
+        except ValueError as e:
+            self.fail("scheduler.pressure_source", str(e))
+        interval_ms = self.integer(table.get("interval_ms", d.interval_ms), "scheduler.interval_ms", 1)
+        high = self.fraction(table.get("high_watermark", d.high_watermark), "scheduler.high_watermark")
+        low = self.fraction(table.get("low_watermark", d.low_watermark), "scheduler.low_watermark")
+        try:
+            check_watermarks(high, low)
+        except ValueError as e:  # each is within [0, 1] by now: what is left is their order
+            self.fail("scheduler.low_watermark", str(e))
+        tiers = table.get("evict_tiers", list(d.evict_tiers))
+        if not isinstance(tiers, list) or not tiers or not all(isinstance(t, str) for t in tiers):
+            self.fail("scheduler.evict_tiers", f"expected a non-empty list of tier names, got {tiers!r}")
+        for tier in tiers:
+            self.tier_name(tier, "scheduler.evict_tiers")
+        if len(set(tiers)) != len(tiers):
+            self.fail("scheduler.evict_tiers", f"names a tier twice: {tiers!r}")
+        return SchedulerConfig(enabled, source, interval_ms, high, low, tuple(tiers))
+
+    def models(self, entries: object, policy: Policy) -> tuple[ModelConfig, ...]:
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            self.fail("models", "expected an array of tables: [[models]]")
+        allowed = _field_names(ModelConfig)
+        models: list[ModelConfig] = []
+        for index, entry in enumerate(entries):
+            key = f"models[{index}]"
+            self.known(entry, key, allowed)
+            if "name" not in entry:
+                self.fail(f"{key}.name", "missing: every model needs a name")
+            name = self.string(entry["name"], f"{key}.name")
+            if not _MODEL_NAME.fullmatch(name):
+                self.fail(
+                    f"{key}.name", f"bad model name {name!r}: letters, digits, '.', '_', '-'; 64 at most"
+                )
+            if any(m.name == name for m in models):
+                self.fail(f"{key}.name", f"model {name!r} is listed twice")
+            models.append(self.model(entry, key, name, policy))
+        return tuple(models)
+
+    def model(self, entry: dict[str, Any], key: str, name: str, policy: Policy) -> ModelConfig:
+        path = None
+        if "path" in entry:
+            path = self.path(entry["path"], f"{key}.path")
+            if not path.is_file():
+                self.fail(f"{key}.path", f"no such model file: {path}")
+        elif name != BUNDLED_MODEL:
+            self.fail(f"{key}.path", f"missing: only the bundled model {BUNDLED_MODEL!r} may omit its path")
+        tier = (
+            self.tier_name(self.string(entry["tier"], f"{key}.tier"), f"{key}.tier")
+            if "tier" in entry
+            else None
+        )
+        sizes = {
+            option: self.integer(entry[option], f"{key}.{option}", 1) if option in entry else None
+            for option in ("n_ctx", "n_batch", "n_seq_max")
+        }
+        fingerprint = digest = None
+        if "fingerprint" in entry:
+            fingerprint = self.string(entry["fingerprint"], f"{key}.fingerprint")
+            if fingerprint not in FINGERPRINT_MODES:
+                self.fail(
+                    f"{key}.fingerprint",
+                    f"unknown mode {fingerprint!r}: expected {', '.join(FINGERPRINT_MODES)}",
+                )
+        if "fingerprint_digest" in entry:
+            digest = self.string(entry["fingerprint_digest"], f"{key}.fingerprint_digest")
+            if fingerprint != "fast_unsafe" or not digest:
+                self.fail(
+                    f"{key}.fingerprint_digest",
+                    "a non-empty digest goes with fingerprint = 'fast_unsafe' only",
+                )
+        elif fingerprint == "fast_unsafe":
+            self.fail(
+                f"{key}.fingerprint_digest",
+                "missing: fingerprint = 'fast_unsafe' needs the operator's digest",
+            )
+        overrides = self.table(entry, "policy", None, f"{key}.policy")
+        return ModelConfig(
+            name=name,
+            path=path,
+            tier=tier,
+            fingerprint=fingerprint,
+            fingerprint_digest=digest,
+            policy=self.policy(policy, overrides, f"{key}.policy"),
+            **sizes,
+        )
+
+    # value checks
+
+    def known(self, table: dict[str, Any], key: str, allowed: tuple[str, ...]) -> None:
+        for name in table:
+            if name not in allowed:
+                where = f"{key}.{name}" if key else name
+                self.fail(where, f"unknown key (expected one of: {', '.join(allowed)})")
+
+    def table(
+        self, parent: dict[str, Any], name: str, allowed: tuple[str, ...] | None, key: str | None = None
+    ) -> dict[str, Any]:
+        """parent[name] as a table (empty when absent); `allowed` None lets someone else check the keys."""
+        key = key or name
+        value = parent.get(name, {})
+        if not isinstance(value, dict):
+            self.fail(key, f"expected a table, got {value!r}")
+        if allowed is not None:
+            self.known(value, key, allowed)
+        return value
+
+    def policy(self, base: Policy, overrides: dict[str, Any], key: str) -> Policy:
+        try:
+            return base.with_overrides(overrides)
+        except PolicyError as e:
+            self.fail(f"{key}.{e.key}", e.reason)
+
+    def integer(self, value: object, key: str, minimum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.fail(key, f"expected a whole number >= {minimum}, got {value!r}")
+        return value
+
+    def fraction(self, value: object, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            self.fail(key, f"expected a number from 0 to 1, got {value!r}")
+        return float(value)
+
+    def boolean(self, value: object, key: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(key, f"expected true or false, got {value!r}")
+        return value
+
+    def string(self, value: object, key: str) -> str:
+        if not isinstance(value, str):
+            self.fail(key, f"expected a string, got {value!r}")
+        return value
+
+    def tier_name(self, value: str, key: str) -> str:
+        if value not in TIER_NAMES:
+            self.fail(key, f"unknown tier {value!r}: expected one of {', '.join(TIER_NAMES)}")
+        return value
+
+    def path(self, value: object, key: str) -> Path:
+        text = self.string(value, key)
+        if not text:
+            self.fail(key, "expected a path, got an empty string")
+        return (self.base / Path(text).expanduser()).absolute()
+
+    def writable_dir(self, directory: Path, key: str) -> None:
+        """Fail unless `directory` is a writable directory, or does not exist yet and could be made."""
+        probe = directory
+        while not probe.exists():
+            if probe.is_symlink():
+                self.fail(key, f"{probe} is a dangling symbolic link")
+            probe = probe.parent
+        if not probe.is_dir():
+            what = (
+                "is not a directory"
+                if probe == directory
+                else f"cannot be created: {probe} is not a directory"
+            )
+            self.fail(key, f"{directory} {what}")
+        if not os.access(probe, os.R_OK | os.W_OK | os.X_OK):
+            what = "is not writable" if probe == directory else f"cannot be created: {probe} is not writable"
+            self.fail(key, f"{directory} {what}")
+
+
+def _xdg_home(variable: str, fallback: str) -> Path:
+    """An XDG base directory: the variable when it is an absolute path (as the spec says), else ~/fallback."""
+    value = os.environ.get(variable, "")
+    return Path(value) if os.path.isabs(value) else Path.home() / fallback
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A settings dataclass's fields: exactly the keys its TOML table may hold."""
+    return tuple(f.name for f in dataclasses.fields(cls))
