@@ -1,0 +1,259 @@
+"""The checkpoint file format: one sequence's KV state plus everything that rebuilds its key.
+
+Layout (all integers little-endian; offsets derive from the header's lengths):
+
+    0   8  magic b"BRLKV\\r\\n\\x1a"
+    8   4  u32 format version (FORMAT_VERSION)
+    12  4  u32 flags (bit 0: logits present)
+    16  8  u64 file length, trailer included
+    24  4  u32 metadata length M
+    28  4  u32 token count N
+    32  8  u64 rendered length R
+    40  8  u64 state length S
+    48  8  u64 logits length L (a multiple of 4: float32)
+    56  8  zero (reserved)
+    64  M  metadata: UTF-8 JSON {key, model, fingerprint, quant, ctx_params, save_reason, created, prefixes}
+        ..  zero padding to 8
+        4N tokens, int32
+        R  rendered prompt bytes
+        ..  zero padding to 64
+        S  state
+        ..  zero padding to 64
+        L  logits
+    end-16  16  xxh3_128 of every byte before it
+
+The state starts 64-byte aligned within the file so the engine can hand it to ctypes as is.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from .errors import CorruptCheckpoint
+from .key import KeyScheme
+
+FORMAT_VERSION = 1
+MAGIC = b"BRLKV\r\n\x1a"
+SAVE_REASONS: tuple[str, ...] = ("cold", "continued", "finish", "evict", "shutdown")
+
+_HEADER = struct.Struct("<8sIIQIIQQQQ")
+_TRAILER_LEN = 16
+_FLAG_LOGITS = 1
+MIN_FILE_LEN = _HEADER.size + _TRAILER_LEN
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Checkpoint:
+    """One sequence's KV state and the metadata that proves which prompt it belongs to.
+
+    `state` and `logits` may be large; the format never copies them on encode, and `decode` returns them
+    as memoryviews into the buffer it was given. `prefixes` are (prefix key, token count) aliases under
+    which this checkpoint is also findable; they travel in the file so a restart can rebuild them.
+    """
+
+    key: bytes
+    model: str
+    fingerprint: bytes
+    quant: str
+    ctx_params: bytes
+    rendered: bytes
+    tokens: array | Sequence[int]
+    save_reason: str
+    created: float
+    state: Buffer
+    logits: Buffer | None = None
+    prefixes: Sequence[tuple[bytes, int]] = field(default_factory=tuple)
+
+    @classmethod
+    def build(
+        cls,
+        scheme: KeyScheme,
+        model: str,
+        rendered: bytes,
+        tokens: array | Sequence[int],
+        save_reason: str,
+        state: Buffer,
+        logits: Buffer | None = None,
+        prefixes: Sequence[tuple[bytes, int]] = (),
+    ) -> Checkpoint:
+        """A checkpoint whose key is computed from the scheme, stamped with the current time."""
+        return cls(
+            key=scheme.key(rendered),
+            model=model,
+            fingerprint=scheme.fingerprint,
+            quant=scheme.quant,
+            ctx_params=scheme.ctx_params,
+            rendered=bytes(rendered),
+            tokens=tokens,
+            save_reason=save_reason,
+            created=time.time(),
+            state=state,
+            logits=logits,
+            prefixes=tuple(prefixes),
+        )
+
+    def key_scheme(self) -> KeyScheme:
+        """The scheme recorded in this checkpoint."""
+        return KeyScheme(self.fingerprint, self.quant, self.ctx_params)
+
+    def check_key(self) -> None:
+        """Raise CorruptCheckpoint unless `key` is what the recorded metadata and prompt hash to."""
+        try:
+            expected = self.key_scheme().key(self.rendered)
+        except ValueError as e:
+            raise CorruptCheckpoint(f"metadata does not form a key scheme: {e}") from e
+        if expected != self.key:
+            raise CorruptCheckpoint("stored key does not match the key recomputed from the contents")
+
+
+def _pad(n: int, align: int) -> int:
+    return -n % align
+
+
+@dataclass
+class _Plan:
+    head: bytes
+    tokens: bytes
+    rendered: memoryview
+    state: memoryview
+    logits: memoryview
+    length: int
+
+
+def _plan(ckpt: Checkpoint) -> _Plan:
+    """Validate a checkpoint and lay it out; cheap (no payload bytes are touched)."""
+    if ckpt.save_reason not in SAVE_REASONS:
+        raise ValueError(f"save_reason {ckpt.save_reason!r} is not one of {', '.join(SAVE_REASONS)}")
+    if len(ckpt.key) != 32 or len(ckpt.fingerprint) != 32:
+        raise ValueError("key and fingerprint must be 32 bytes each")
+    tokens = ckpt.tokens if isinstance(ckpt.tokens, array) and ckpt.tokens.typecode == "i" else None
+    if tokens is None:
+        tokens = array("i", ckpt.tokens)
+    if tokens.itemsize != 4:
+        raise ValueError("tokens must be int32")
+    if sys.byteorder != "little":
+        tokens = array("i", tokens)
+        tokens.byteswap()
+    rendered = memoryview(ckpt.rendered).cast("B")
+    state = memoryview(ckpt.state).cast("B")
+    logits = memoryview(ckpt.logits if ckpt.logits is not None else b"").cast("B")
+    if len(logits) % 4:
+        raise ValueError("logits must be float32 (a multiple of 4 bytes)")
+    meta = json.dumps(
+        {
+            "key": ckpt.key.hex(),
+            "model": ckpt.model,
+            "fingerprint": ckpt.fingerprint.hex(),
+            "quant": ckpt.quant,
+            "ctx_params": bytes(ckpt.ctx_params).hex(),
+            "save_reason": ckpt.save_reason,
+            "created": float(ckpt.created),
+            "prefixes": [[bytes(k).hex(), int(n)] for k, n in ckpt.prefixes],
+        },
+        separators=(",", ":"),
+    ).encode()
+    offsets = _offsets(len(meta), len(tokens), len(rendered), len(state), len(logits))
+    length = offsets[-1] + _TRAILER_LEN
+    flags = _FLAG_LOGITS if ckpt.logits is not None else 0
+    header = _HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        flags,
+        length,
+        len(meta),
+        len(tokens),
+        len(rendered),
+        len(state),
+        len(logits),
+        0,
+    )
+    head = header + meta + bytes(_pad(len(meta), 8))
+    tokens_part = tokens.tobytes()
+    return _Plan(head, tokens_part, rendered, state, logits, length)
+
+
+def _offsets(meta: int, n_tokens: int, rendered: int, state: int, logits: int) -> tuple[int, ...]:
+    """Start of tokens, rendered, state, logits, and of the trailer."""
+    tokens_at = _HEADER.size + meta + _pad(meta, 8)
+    rendered_at = tokens_at + 4 * n_tokens
+    state_at = rendered_at + rendered + _pad(rendered_at + rendered, 64)
+    logits_at = state_at + state + _pad(state_at + state, 64)
+    return tokens_at, rendered_at, state_at, logits_at, logits_at + logits
+
+
+def encoded_size(ckpt: Checkpoint) -> int:
+    """The file size `encode_parts` will produce, without hashing anything."""
+    return _plan(ckpt).length
+
+
+def encode_parts(ckpt: Checkpoint) -> list[Buffer]:
+    """The file as a list of buffers for `writelines`/`os.writev`: the 35 MB state is never copied."""
+    p = _plan(ckpt)
+    parts: list[Buffer] = [p.head, p.tokens, p.rendered]
+    end = len(p.head) + len(p.tokens) + len(p.rendered)
+    for payload in (p.state, p.logits):
+        if _pad(end, 64):
+            parts.append(bytes(_pad(end, 64)))
+            end += _pad(end, 64)
+        parts.append(payload)
+        end += len(payload)
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    parts.append(h.digest())
+    return parts
+
+
+def decode(buf: Buffer) -> Checkpoint:
+    """Verify a whole checkpoint file and decode it; state and logits are zero-copy views into `buf`.
+
+    The checksum and every length field are checked before anything is interpreted, so a file that
+    fails in any byte raises CorruptCheckpoint and no part of it is ever used.
+    """
+    mv = memoryview(buf).cast("B")
+    if len(mv) < MIN_FILE_LEN:
+        raise CorruptCheckpoint(f"file too short ({len(mv)} bytes)")
+    if xxhash.xxh3_128(mv[:-_TRAILER_LEN]).digest() != mv[-_TRAILER_LEN:]:
+        raise CorruptCheckpoint("checksum mismatch")
+    magic, version, flags, length, meta_len, n_tokens, r_len, s_len, l_len, zero = _HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        raise CorruptCheckpoint("bad magic")
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpoint(f"unsupported format version {version}")
+    if length != len(mv) or zero != 0 or flags & ~_FLAG_LOGITS or l_len % 4:
+        raise CorruptCheckpoint("header fields inconsistent with the file")
+    tokens_at, rendered_at, state_at, logits_at, end = _offsets(meta_len, n_tokens, r_len, s_len, l_len)
+    if end + _TRAILER_LEN != length or (l_len and not flags & _FLAG_LOGITS):
+        raise CorruptCheckpoint("section lengths do not add up to the file length")
+    try:
+        meta = json.loads(bytes(mv[_HEADER.size : _HEADER.size + meta_len]))
+        tokens = array("i")
+        tokens.frombytes(mv[tokens_at:rendered_at])
+        if sys.byteorder != "little":
+            tokens.byteswap()
+        return Checkpoint(
+            key=bytes.fromhex(meta["key"]),
+            model=meta["model"],
+            fingerprint=bytes.fromhex(meta["fingerprint"]),
+            quant=meta["quant"],
+            ctx_params=bytes.fromhex(meta["ctx_params"]),
+            rendered=bytes(mv[rendered_at : rendered_at + r_len]),
+            tokens=tokens,
+            save_reason=meta["save_reason"],
+            created=float(meta["created"]),
+            state=mv[state_at : state_at + s_len],
+            logits=mv[logits_at : logits_at + l_len] if flags & _FLAG_LOGITS else None,
+            prefixes=tuple((bytes.fromhex(k), int(n)) for k, n in meta["prefixes"]),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"bad metadata: {e}") from e

@@ -1,0 +1,57 @@
+"""Thread-safe counters with the names the contract's `cache stats` reports."""
+
+from __future__ import annotations
+
+import threading
+
+COUNTER_NAMES: tuple[str, ...] = (
+    "hits_exact",
+    "hits_resume",
+    "hits_longest_prefix",
+    "hits_live",
+    "misses",
+    "saves_cold",
+    "saves_continued",
+    "saves_finish",
+    "saves_evict",
+    "saves_shutdown",
+    "saves_dropped",
+    "saves_duplicate",
+    "saves_failed",
+    "evictions",
+    "corrupt_files",
+    "longest_prefix_probes",
+    "lookup_ns",
+    "restore_ns",
+    "save_ns",
+)
+
+
+class Counters:
+    """A fixed set of named integers; unknown names raise so a typo never hides a count."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add n to a counter."""
+        with self._lock:
+            if name not in self._values:
+                raise KeyError(f"unknown counter {name!r}")
+            self._values[name] += n
+
+    def add_ns(self, name: str, ns: int) -> None:
+        """Add a latency in nanoseconds to one of the `*_ns` totals."""
+        if not name.endswith("_ns"):
+            raise KeyError(f"{name!r} is not a latency total")
+        self.count(name, ns)
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        """A consistent copy of every counter."""
+        with self._lock:
+            return dict(self._values)

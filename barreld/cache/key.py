@@ -1,0 +1,253 @@
+"""Cache keys: a fixed byte layout hashed with SHA-256, identical across processes and restarts.
+
+key = sha256(fingerprint(32) || quant(16, NUL-padded ASCII) || u32 len(ctx_params) || ctx_params || rendered)
+
+Every field before the rendered prompt bytes has a fixed width or an explicit length, so no two
+different field tuples can produce the same hashed byte string.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FINGERPRINT_MODES: tuple[str, ...] = ("safe", "gguf_chunked", "fast_unsafe")
+
+_READ_CHUNK = 8 * 1024 * 1024
+_QUANT_WIDTH = 16
+
+
+def fingerprint_gguf(path: Path, mode: str, supplied: str | None = None) -> bytes:
+    """The 32-byte model fingerprint that starts every key for this model.
+
+    safe: SHA-256 of every byte of the file (slow on big files, always right).
+    gguf_chunked: see `gguf_chunked_digest` (reads megabytes, not gigabytes).
+    fast_unsafe: SHA-256 of the operator-supplied string, trusted blindly: two different models given the
+    same string share keys and would restore each other's state.
+    """
+    if mode == "safe":
+        return _sha256_file(Path(path))
+    if mode == "gguf_chunked":
+        return gguf_chunked_digest(Path(path))
+    if mode == "fast_unsafe":
+        if not supplied:
+            raise ValueError("fingerprint mode fast_unsafe needs a non-empty supplied digest string")
+        return hashlib.sha256(supplied.encode("utf-8")).digest()
+    raise ValueError(f"unknown fingerprint mode {mode!r}; expected one of {', '.join(FINGERPRINT_MODES)}")
+
+
+def _sha256_file(path: Path) -> bytes:
+    h = hashlib.sha256()
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.digest()
+
+
+# GGUF value types (gguf.h): fixed widths; 8 = string, 9 = array.
+_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+_GGUF_UINT32 = 4
+
+
+class _GGUFReader:
+    """Bounds-checked little-endian reads over a mapped file; any overrun is a ValueError."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ValueError(f"{self.path}: truncated or corrupt GGUF (read past end at byte {self.pos})")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def u32(self) -> int:
+        return struct.unpack_from("<I", self.buf, self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack_from("<Q", self.buf, self.take(8))[0]
+
+    def string(self) -> bytes:
+        n = self.u64()
+        start = self.take(n)
+        return bytes(self.buf[start : start + n])
+
+    def skip_string(self) -> None:
+        self.take(self.u64())
+
+    def value(self, vtype: int) -> object:
+        """Read one value; only scalars are returned, arrays and strings are skipped (None)."""
+        if vtype in _GGUF_FIXED:
+            start = self.take(_GGUF_FIXED[vtype])
+            return self.buf[start : start + _GGUF_FIXED[vtype]]
+        if vtype == _GGUF_STRING:
+            self.skip_string()
+            return None
+        if vtype == _GGUF_ARRAY:
+            etype, count = self.u32(), self.u64()
+            if etype in _GGUF_FIXED:
+                self.take(_GGUF_FIXED[etype] * count)
+            elif etype in (_GGUF_STRING, _GGUF_ARRAY):
+                for _ in range(count):
+                    self.value(etype)
+            else:
+                raise ValueError(f"{self.path}: corrupt GGUF (array of unknown type {etype})")
+            return None
+        raise ValueError(f"{self.path}: corrupt GGUF (value of unknown type {vtype} at byte {self.pos})")
+
+
+def gguf_chunked_digest(path: Path) -> bytes:
+    """SHA-256 over the parts of a GGUF (v2 or v3, little-endian) that identify the model cheaply.
+
+    Exactly these bytes are hashed, in this order:
+      1. file[0 : E], where E is the end of the tensor-info section: the header (magic 'GGUF', u32 version,
+         u64 n_tensors, u64 n_kv), every metadata key/value pair, and every tensor info (name, n_dims,
+         dims, ggml type, offset), byte for byte as stored;
+      2. the first tensor's data: file[D + o0 : D + o1], where D is E rounded up to general.alignment (a
+         u32 key, default 32), o0 is the offset of the first tensor info in file order, and o1 the
+         smallest tensor offset greater than o0 (or, when there is none, the end of the file). The
+         alignment padding after that tensor is therefore part of the hash.
+    A GGUF with no tensors hashes part 1 only. Anything that is not a well-formed GGUF v2/v3 raises
+    ValueError. Two files differing only in tensors after the first collide: that is the price of speed.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as e:  # an empty file cannot be mapped
+            raise ValueError(f"{path}: not a GGUF file (empty)") from e
+    with buf:
+        r = _GGUFReader(buf, path)
+        if len(buf) < 24 or buf[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (bad magic)")
+        r.pos = 4
+        version = r.u32()
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version} (only v2 and v3, little-endian)")
+        n_tensors, n_kv = r.u64(), r.u64()
+        alignment = 32
+        for _ in range(n_kv):
+            name = r.string()
+            vtype = r.u32()
+            value = r.value(vtype)
+            if name == b"general.alignment" and vtype == _GGUF_UINT32:
+                alignment = struct.unpack("<I", value)[0]
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path}: corrupt GGUF (general.alignment {alignment} is not a power of two)")
+        offsets = []
+        for _ in range(n_tensors):
+            r.skip_string()
+            n_dims = r.u32()
+            if n_dims > 8:
+                raise ValueError(f"{path}: corrupt GGUF (tensor with {n_dims} dimensions)")
+            r.take(8 * n_dims + 4)
+            offsets.append(r.u64())
+        info_end = r.pos
+        h = hashlib.sha256(buf[:info_end])
+        if offsets:
+            data_start = -(-info_end // alignment) * alignment
+            first = offsets[0]
+            later = [o for o in offsets if o > first]
+            start = data_start + first
+            end = data_start + min(later) if later else len(buf)
+            if end > len(buf) or start > end:
+                raise ValueError(f"{path}: truncated GGUF (first tensor's data lies past the end)")
+            h.update(buf[start:end])
+        return h.digest()
+
+
+_CTX_LAYOUT_VERSION = 1
+_CTX_STRUCT = struct.Struct("<BIIIBBBdd")
+
+
+@dataclass(frozen=True)
+class CtxParams:
+    """The context parameters that change the bytes or layout of a sequence's KV state.
+
+    n_ctx: the cache size the state's cell positions were laid out in; keyed conservatively so a state is
+      only restored into a context of the size it was made for.
+    type_k, type_v: ggml type ids of the K and V caches (f16, q8_0, ...): the element encoding.
+    flash_attn: with flash attention V is stored untransposed; the state's V layout differs.
+    rope_freq_base, rope_freq_scale: RoPE is applied to K before it is cached, so they change K's values.
+    kv_unified: one unified cell buffer versus one stream per sequence: a different state layout.
+    swa_full: whether sliding-window layers keep every cell or only the window: different cells saved.
+
+    Deliberately NOT included, because they change how work is scheduled but not what a prompt's KV
+    state means or how it is laid out: n_batch, n_ubatch, n_threads, n_seq_max, and the sampling seed.
+    """
+
+    n_ctx: int
+    type_k: int
+    type_v: int
+    flash_attn: bool
+    rope_freq_base: float
+    rope_freq_scale: float
+    kv_unified: bool
+    swa_full: bool
+
+    def encode(self) -> bytes:
+        """32 bytes, little-endian: u8 layout version (1), u32 n_ctx, u32 type_k, u32 type_v,
+        u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale."""
+        try:
+            return _CTX_STRUCT.pack(
+                _CTX_LAYOUT_VERSION,
+                self.n_ctx,
+                self.type_k,
+                self.type_v,
+                bool(self.flash_attn),
+                bool(self.kv_unified),
+                bool(self.swa_full),
+                float(self.rope_freq_base),
+                float(self.rope_freq_scale),
+            )
+        except struct.error as e:
+            raise ValueError(f"context parameter out of range: {e}") from e
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """Everything except the prompt that goes into a key: one per loaded model and context."""
+
+    fingerprint: bytes
+    quant: str
+    ctx_params: bytes
+    _prefix: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.fingerprint) != 32:
+            raise ValueError(f"fingerprint must be 32 bytes, got {len(self.fingerprint)}")
+        try:
+            quant = self.quant.encode("ascii")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"quant {self.quant!r} is not ASCII") from e
+        if len(quant) > _QUANT_WIDTH or b"\0" in quant:
+            raise ValueError(f"quant {self.quant!r} must be at most {_QUANT_WIDTH} ASCII bytes without NUL")
+        # The fixed prefix of every key's hash input, computed once per scheme.
+        prefix = (
+            bytes(self.fingerprint)
+            + quant.ljust(_QUANT_WIDTH, b"\0")
+            + struct.pack("<I", len(self.ctx_params))
+            + bytes(self.ctx_params)
+        )
+        object.__setattr__(self, "_prefix", hashlib.sha256(prefix))
+
+    def key(self, rendered: bytes) -> bytes:
+        """The 32-byte cache key of these rendered prompt bytes."""
+        h = self._prefix.copy()
+        h.update(rendered)
+        return h.digest()
+
+    def key_hex(self, rendered: bytes) -> str:
+        """The key as 64 lowercase hex digits, as `cache dump` prints it."""
+        return self.key(rendered).hex()

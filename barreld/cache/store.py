@@ -1,0 +1,534 @@
+"""CacheStore: what the engine calls to save, find and restore KV checkpoints.
+
+Publish protocol (one save): reserve the key and its bytes in the index (evicting that tier's least
+recently used unreferenced rows to fit) -> write a temp file in the tier's directory -> fdatasync ->
+confirm the reservation is still ours -> rename into place -> fsync the directory -> mark the row
+available. A crash anywhere leaves a state `open()` reconciles: a reserved row is cleared, a temp file
+removed, a complete published file without a row verified and adopted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import TracebackType
+
+from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
+from .counters import Counters
+from .errors import CorruptCheckpoint, TierWriteError, WriterQueueFull
+from .index import AVAILABLE, RESERVED, Hit, Index, Row, valid_aliases
+from .tiers import FileTier, RamTier, Tier, lock_file
+from .writer import WriterPool
+
+log = logging.getLogger("barreld.cache")
+
+TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """A tier's byte quota (0: nothing is stored there) and, for file tiers, its directory."""
+
+    quota: int
+    root: Path | None = None
+
+
+@dataclass
+class SaveOutcome:
+    """What became of a save: queued (see `future`), published, duplicate, dropped, failed or timeout.
+
+    An async save returns `queued` with a Future whose result is the final SaveOutcome; a sync save that
+    outlives its timeout returns `timeout` with that Future (the write goes on in the background).
+    """
+
+    status: str
+    key: bytes
+    tier: str
+    future: Future | None = None
+    detail: str = ""
+
+
+@dataclass
+class ReconcileReport:
+    """What `open()` repaired, for logs and tests."""
+
+    temps_removed: int = 0
+    ram_rows_dropped: int = 0
+    reservations_cleared: int = 0
+    missing_dropped: int = 0
+    adopted: int = 0
+    corrupt_removed: int = 0
+    over_quota_removed: int = 0
+
+
+class CacheStore:
+    """Content-addressed KV checkpoints in three tiers (ram, ram_file, disk) behind an LMDB index.
+
+    One store per data dir (and per ram_file/disk root): `open()` takes an exclusive lock on each, so every
+    reservation found at open belongs to a dead writer.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        tiers: dict[str, TierConfig],
+        *,
+        writers: int = 2,
+        queue_size: int = 16,
+    ) -> None:
+        unknown = set(tiers) - set(TIER_NAMES)
+        if unknown:
+            raise ValueError(
+                f"unknown tier(s) {', '.join(sorted(unknown))}; tiers are {', '.join(TIER_NAMES)}"
+            )
+        self.data_dir = Path(data_dir).absolute()
+        self._configs = {name: tiers.get(name, TierConfig(0)) for name in TIER_NAMES}
+        self._writers = writers
+        self._queue_size = queue_size
+        self.counters = Counters()
+        self.last_reconcile: ReconcileReport | None = None
+        self._tiers: dict[str, Tier] = {}
+        self._index: Index | None = None
+        self._pool: WriterPool | None = None
+        self._lock_fd: int | None = None
+        self._pending: dict[bytes, Future] = {}
+        self._plock = threading.Lock()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def open(self) -> CacheStore:
+        """Lock the directories, open the index and reconcile it with the tiers (see ReconcileReport)."""
+        if self._index is not None:
+            raise RuntimeError("cache store is already open")
+        ram_file_root = self._configs["ram_file"].root or Path(f"/dev/shm/barrel-{os.getuid()}")
+        disk_root = self._configs["disk"].root or self.data_dir / "kvc"
+        if Path(ram_file_root).absolute() == Path(disk_root).absolute():
+            raise ValueError("the ram_file and disk tiers need different roots")
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_fd = lock_file(self.data_dir / "cache.lock", f"data dir {self.data_dir}")
+        try:
+            self._tiers = {
+                "ram": RamTier(self._configs["ram"].quota),
+                "ram_file": FileTier("ram_file", ram_file_root, self._configs["ram_file"].quota),
+                "disk": FileTier("disk", disk_root, self._configs["disk"].quota),
+            }
+            for tier in self._file_tiers():
+                tier.lock()
+            quotas = {name: t.quota for name, t in self._tiers.items()}
+            self._index = Index(self.data_dir / "index.lmdb", quotas, self._delete_payload)
+            self.last_reconcile = self._reconcile()
+            self._pool = WriterPool(self._writers, self._queue_size)
+        except BaseException:
+            self._release_resources()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Finish every queued save, fold LRU touches into the index, close LMDB, drop ram payloads."""
+        if self._index is None:
+            return
+        if self._pool is not None:
+            self._pool.close()
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self._index is not None:
+            self._index.close()
+        for tier in self._tiers.values():
+            if isinstance(tier, FileTier):
+                tier.unlock()
+            elif isinstance(tier, RamTier):
+                tier.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self._index = self._pool = self._lock_fd = None
+        self._tiers = {}
+
+    def __enter__(self) -> CacheStore:
+        return self.open() if self._index is None else self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.close()
+
+    def _require_open(self) -> Index:
+        if self._index is None:
+            raise RuntimeError("cache store is not open")
+        return self._index
+
+    def _file_tiers(self) -> list[FileTier]:
+        return [t for t in self._tiers.values() if isinstance(t, FileTier)]
+
+    def _delete_payload(self, row: Row) -> None:
+        if row.location is not None:
+            self._tiers[row.tier].delete(row.location)
+
+    def _location_for(self, tier: Tier, key: bytes) -> str:
+        return tier.location_for(key.hex()) if isinstance(tier, FileTier) else key.hex()
+
+    # ---- reconcile ----------------------------------------------------------------------------
+
+    def _reconcile(self) -> ReconcileReport:
+        """Bring index and tiers into agreement after a restart or a crash (idempotent)."""
+        index = self._require_open()
+        report = ReconcileReport()
+        for tier in self._file_tiers():
+            report.temps_removed += tier.cleanup_temps()
+        with index.write() as b:
+            for row in b.rows():
+                tier = self._tiers.get(row.tier)
+                if tier is None or not tier.persistent:
+                    b.remove(row, delete_bytes=False)
+                    report.ram_rows_dropped += 1
+                elif row.status == RESERVED:
+                    # The writer is dead; a file it published before dying is adopted below.
+                    b.remove(row, delete_bytes=False)
+                    report.reservations_cleared += 1
+                elif row.location != self._location_for(tier, row.key) or tier.size(row.location) != row.size:
+                    b.remove(row, delete_bytes=False)
+                    report.missing_dropped += 1
+        indexed = {row.location for row in index.rows()}
+        for tier in self._file_tiers():
+            for location in sorted(tier.scan()):
+                if location not in indexed:
+                    self._adopt(tier, location, report)
+        for name, tier in self._tiers.items():
+            used, _ = index.usage(name)
+            if used > tier.quota:  # the quota was lowered since the last run
+                evicted = index.evict((name,), used - tier.quota)
+                self.counters.count("evictions", len(evicted))
+                report.over_quota_removed += len(evicted)
+        return report
+
+    def _adopt(self, tier: FileTier, location: str, report: ReconcileReport) -> None:
+        """Index a complete file that has no row, after verifying every byte of it; else delete it."""
+        index = self._require_open()
+        try:
+            ckpt = decode(tier.read(location))
+            ckpt.check_key()
+            if Path(location).name != f"{ckpt.key.hex()}.kvc":
+                raise CorruptCheckpoint("file name does not match the key of its contents")
+        except (CorruptCheckpoint, OSError) as e:
+            log.warning("removing unreadable cache file %s: %s", location, e)
+            tier.delete(location)
+            report.corrupt_removed += 1
+            self.counters.count("corrupt_files")
+            return
+        size = tier.size(location) or 0
+        with index.write() as b:
+            fits = b.get(ckpt.key) is None and index.usage(tier.name)[0] + size <= tier.quota
+            if fits:
+                b.put(
+                    Row(
+                        key=ckpt.key,
+                        model=ckpt.model,
+                        tier=tier.name,
+                        size=size,
+                        tokens=len(ckpt.tokens),
+                        text_bytes=len(ckpt.rendered),
+                        save_reason=ckpt.save_reason,
+                        status=AVAILABLE,
+                        last_used_ns=int(ckpt.created * 1e9),
+                        created=ckpt.created,
+                        location=location,
+                        aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
+                    )
+                )
+        if fits:
+            report.adopted += 1
+        else:
+            tier.delete(location)
+            report.over_quota_removed += 1
+
+    # ---- saves --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        ckpt: Checkpoint,
+        tier: str,
+        prefixes: Iterable[tuple[bytes, int]] = (),
+        *,
+        sync: bool = False,
+        timeout: float | None = None,
+    ) -> SaveOutcome:
+        """Save a checkpoint to a tier, findable also under `prefixes` ((prefix key, n_tokens) pairs).
+
+        Async (default): returns at once; a full writer queue drops the save (`saves_dropped`). Sync:
+        jumps the queue and waits for the publish, at most `timeout` seconds. The store keeps references
+        to the checkpoint's buffers until the save's future is done: do not modify them before that.
+        """
+        index = self._require_open()
+        if tier not in self._tiers:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIER_NAMES)}")
+        prefixes = tuple(prefixes)
+        if prefixes:
+            ckpt = replace(ckpt, prefixes=prefixes)
+        size = encoded_size(ckpt)
+        key = ckpt.key
+        if size > self._tiers[tier].quota:
+            self.counters.count("saves_dropped")
+            return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
+        with self._plock:
+            if key in self._pending or index.get(key) is not None:
+                self.counters.count("saves_duplicate")
+                return SaveOutcome("duplicate", key, tier)
+            try:
+                assert self._pool is not None
+                fut = self._pool.submit(lambda: self._publish(ckpt, tier, size), urgent=sync)
+            except WriterQueueFull as e:
+                self.counters.count("saves_dropped")
+                return SaveOutcome("dropped", key, tier, detail=str(e))
+            self._pending[key] = fut
+        fut.add_done_callback(lambda f: self._forget(key, f))
+        if not sync:
+            return SaveOutcome("queued", key, tier, future=fut)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            return SaveOutcome("timeout", key, tier, future=fut, detail=f"not published within {timeout} s")
+
+    def _forget(self, key: bytes, fut: Future) -> None:
+        with self._plock:
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+
+    def pending(self, key: bytes) -> Future | None:
+        """The in-flight save of `key`, so a caller can wait for it to publish (session_resume_wait_ms)."""
+        with self._plock:
+            return self._pending.get(key)
+
+    def _publish(self, ckpt: Checkpoint, tier_name: str, size: int) -> SaveOutcome:
+        """The publish protocol, run on a writer thread."""
+        t0 = time.perf_counter_ns()
+        index = self._require_open()
+        tier = self._tiers[tier_name]
+        key = ckpt.key
+        res = index.reserve(
+            key,
+            tier_name,
+            size,
+            model=ckpt.model,
+            tokens=len(ckpt.tokens),
+            text_bytes=len(ckpt.rendered),
+            save_reason=ckpt.save_reason,
+        )
+        if res.evicted:
+            self.counters.count("evictions", res.evicted)
+        if res.status == "duplicate":
+            self.counters.count("saves_duplicate")
+            return SaveOutcome("duplicate", key, tier_name)
+        if res.status != "reserved":
+            self.counters.count("saves_dropped")
+            return SaveOutcome("dropped", key, tier_name, detail=res.status)
+        try:
+            location = tier.put(key.hex(), encode_parts(ckpt), lambda: index.holds(key, res.token))
+        except TierWriteError as e:
+            index.abandon(key, res.token)
+            self.counters.count("saves_failed")
+            log.warning("save of %s to %s failed: %s", key.hex(), tier_name, e)
+            return SaveOutcome("failed", key, tier_name, detail=str(e))
+        except BaseException:
+            index.abandon(key, res.token)
+            raise
+        if location is None or not index.mark_available(key, res.token, location, ckpt.prefixes):
+            if location is not None and index.get(key) is None:
+                tier.delete(location)
+            self.counters.count("saves_dropped")
+            return SaveOutcome("dropped", key, tier_name, detail="reservation lost")
+        self.counters.count(f"saves_{ckpt.save_reason}")
+        self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
+        return SaveOutcome("published", key, tier_name)
+
+    # ---- lookups and restores -----------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> Hit | None:
+        """The row (exact key first, then a prefix alias) that can serve `key`; LMDB reads only."""
+        return self._require_open().lookup(key)
+
+    @contextmanager
+    def restore(self, hit: Hit) -> Iterator[Checkpoint | None]:
+        """Read and verify a hit's checkpoint, holding a reference (no eviction) while the caller uses it.
+
+        Yields None when the row is gone or fails verification (then the row, its aliases and its file
+        are dropped and `corrupt_files` counts it): the caller falls back to a prefill. The state and
+        logits are views into the read buffer, valid inside the `with` block only.
+        """
+        index = self._require_open()
+        key = hit.row_key
+        if not index.acquire(key):
+            yield None
+            return
+        try:
+            t0 = time.perf_counter_ns()
+            row = index.get(key)
+            ckpt = None
+            if row is not None and row.status == AVAILABLE and hit.n_tokens <= row.tokens:
+                ckpt = self._read_verified(row)
+            if ckpt is not None:
+                index.touch(key)
+                self.counters.add_ns("restore_ns", time.perf_counter_ns() - t0)
+            yield ckpt
+        finally:
+            index.release(key)
+
+    def _read_verified(self, row: Row) -> Checkpoint | None:
+        """The row's checkpoint, checksum and key verified; on any failure the row is dropped."""
+        index = self._require_open()
+        try:
+            assert row.location is not None
+            ckpt = decode(self._tiers[row.tier].read(row.location))
+            ckpt.check_key()
+            if ckpt.key != row.key or len(ckpt.tokens) != row.tokens:
+                raise CorruptCheckpoint("checkpoint does not match its index row")
+        except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
+            log.warning("dropping cache row %s (%s): %s", row.key.hex(), row.tier, e)
+            if index.remove(row.key, row.token) is not None:
+                self.counters.count("corrupt_files")
+            return None
+        return ckpt
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def gc(self) -> int:
+        """Evict every unreferenced row in every tier; returns how many."""
+        evicted = self._require_open().evict(TIER_NAMES, math.inf)
+        self.counters.count("evictions", len(evicted))
+        return len(evicted)
+
+    def evict_bytes(self, n: int, tiers: Iterable[str] | None = None) -> tuple[int, int]:
+        """Free at least n bytes (if that many are unreferenced), least recently used first across `tiers`
+        (all when None); returns (rows evicted, bytes freed)."""
+        index = self._require_open()
+        names = tuple(tiers) if tiers is not None else TIER_NAMES
+        bad = set(names) - set(TIER_NAMES)
+        if bad:
+            raise ValueError(f"unknown tier(s) {', '.join(sorted(bad))}")
+        if n <= 0:
+            return 0, 0
+        evicted = index.evict(names, n)
+        self.counters.count("evictions", len(evicted))
+        return len(evicted), sum(r.size for r in evicted)
+
+    def dump(self, model: str | None = None, tier: str | None = None) -> list[dict]:
+        """Every row as the contract's `cache dump` shape, most recently used first.
+
+        `location` is the file path; null for ram rows (memory has no path) and for reserved rows.
+        """
+        index = self._require_open()
+        rows = [
+            r
+            for r in index.rows()
+            if (model is None or r.model == model) and (tier is None or r.tier == tier)
+        ]
+        rows.sort(key=lambda r: r.last_used_ns, reverse=True)
+        return [
+            {
+                "key": r.key.hex(),
+                "model": r.model,
+                "tier": r.tier,
+                "size": r.size,
+                "tokens": r.tokens,
+                "text_bytes": r.text_bytes,
+                "save_reason": r.save_reason,
+                "status": r.status,
+                "refcount": index.refcount(r.key),
+                "hits": r.hits,
+                "last_used": r.last_used_ns / 1e9,
+                "created": r.created,
+                "location": r.location if r.status == AVAILABLE and r.tier != "ram" else None,
+            }
+            for r in rows
+        ]
+
+    def stats(self) -> dict:
+        """The contract's `cache stats` shape: counters, and per-tier bytes/quota/rows (reserved included)."""
+        index = self._require_open()
+        tiers = {}
+        for name, tier in self._tiers.items():
+            used, rows = index.usage(name)
+            tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows}
+        return {"counters": self.counters.snapshot(), "tiers": tiers}
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> tuple[int, list[str]]:
+        """Re-read and verify every available row; drop the bad ones. Returns (checked, bad keys as hex)."""
+        index = self._require_open()
+        rows = [r for r in index.rows() if r.status == AVAILABLE]
+        checked, bad = 0, []
+        for i, row in enumerate(rows, 1):
+            if index.acquire(row.key):
+                try:
+                    current = index.get(row.key)
+                    if current is not None and current.token == row.token:
+                        checked += 1
+                        if self._read_verified(current) is None:
+                            bad.append(row.key.hex())
+                finally:
+                    index.release(row.key)
+            if progress is not None:
+                progress(i, len(rows))
+        return checked, bad
+
+    def check(self) -> list[str]:
+        """Consistency of index, payloads and quotas; the problems found (none is healthy).
+
+        Meant for quiet moments (tests, `cache verify`): saves in flight are allowed their reserved
+        rows, temp files and not-yet-indexed files.
+        """
+        index = self._require_open()
+        with self._plock:
+            in_flight = {k.hex() for k in self._pending}
+        rows = index.rows()
+        by_key = {r.key: r for r in rows}
+        problems: list[str] = []
+        for r in rows:
+            name = r.key.hex()
+            tier = self._tiers.get(r.tier)
+            if tier is None:
+                problems.append(f"{name}: unknown tier {r.tier!r}")
+            elif r.status == RESERVED:
+                if name not in in_flight:
+                    problems.append(f"{name}: reserved with no save in flight")
+            elif r.status != AVAILABLE:
+                problems.append(f"{name}: unknown status {r.status!r}")
+            elif r.location != self._location_for(tier, r.key):
+                problems.append(f"{name}: location {r.location} is not where {r.tier} keeps it")
+            elif tier.size(r.location) != r.size:
+                problems.append(f"{name}: payload is {tier.size(r.location)} bytes, row says {r.size}")
+        for name, tier in self._tiers.items():
+            mine = [r for r in rows if r.tier == name]
+            used, count = index.usage(name)
+            if (used, count) != (sum(r.size for r in mine), len(mine)):
+                problems.append(f"{name}: totals {used} B / {count} rows disagree with the rows")
+            if used > tier.quota:
+                problems.append(f"{name}: {used} bytes indexed over the quota of {tier.quota}")
+            if tier.used > tier.quota:
+                problems.append(f"{name}: tier holds {tier.used} bytes over the quota of {tier.quota}")
+            indexed = {r.location for r in mine if r.status == AVAILABLE}
+            stored = tier.scan()
+            for location in sorted(stored.keys() - indexed):
+                if Path(location).stem not in in_flight:
+                    problems.append(f"{name}: payload {location} has no row")
+            if not in_flight:
+                if tier.used != sum(stored.values()):
+                    problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored.values())}")
+                if isinstance(tier, FileTier) and tier.temps():
+                    problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
+        entries = set()
+        for alias, row_key, n in index.alias_entries():
+            entries.add((alias, row_key, n))
+            row = by_key.get(row_key)
+            if row is None or (alias, n) not in row.aliases:
+                problems.append(f"alias {alias.hex()} -> {row_key.hex()} belongs to no row")
+        for r in rows:
+            for alias, n in r.aliases:
+                if (alias, r.key, n) not in entries:
+                    problems.append(f"{r.key.hex()}: alias {alias.hex()} missing from the alias table")
+        return problems

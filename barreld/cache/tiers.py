@@ -1,0 +1,335 @@
+"""Tiers hold payload bytes by location. They know nothing of rows, LRU or reservations (the index does).
+
+Each tier still guards its own byte quota before writing, as a last line of defence: the index's
+reservations already keep it under quota, so the guard only fires if the two ever disagree.
+
+Fault injection (for tests and the fault suite): set `BARREL_FAULT_WRITE=<tier>[:<ERRNO>][,...]`
+(e.g. `disk:ENOSPC`), or assign a callable to `fault_hook`, called with the tier name. Either makes every
+write to that tier fail with OSError after its first part is written, as a full or failing device would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from .checkpoint import Buffer
+from .errors import StoreLocked, TierWriteError
+
+FAULT_ENV = "BARREL_FAULT_WRITE"
+fault_hook: Callable[[str], None] | None = None
+
+_PUBLISHED = re.compile(r"^[0-9a-f]{64}\.kvc$")
+_TEMP_PREFIX = ".tmp-"
+LOCK_NAME = ".lock"
+
+
+def _inject_fault(tier: str) -> None:
+    if fault_hook is not None:
+        fault_hook(tier)
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        name, _, code = item.partition(":")
+        if name == tier:
+            num = getattr(errno, code or "EIO", errno.EIO)
+            raise OSError(num, f"injected fault ({FAULT_ENV}): {os.strerror(num)}")
+
+
+def _nbytes(parts: Iterable[Buffer]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+class Tier(ABC):
+    """A named byte store with a quota; `used` counts bytes it holds (or is writing)."""
+
+    persistent: bool
+
+    def __init__(self, name: str, quota: int) -> None:
+        if quota < 0:
+            raise ValueError(f"tier {name}: quota must be >= 0")
+        self.name = name
+        self.quota = quota
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def _claim_bytes(self, n: int) -> None:
+        """The quota guard: take n bytes of quota before writing any, or refuse."""
+        with self._lock:
+            if self.used + n > self.quota:
+                raise TierWriteError(
+                    self.name, errno.ENOSPC, f"write of {n} bytes would exceed the quota of {self.quota}"
+                )
+            self.used += n
+
+    def _free_bytes(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+    @abstractmethod
+    def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
+        """Store a payload under `name`; None when `claim_ok` says the reservation was lost."""
+
+    @abstractmethod
+    def read(self, location: str) -> bytearray | memoryview:
+        """The whole payload at a location (OSError/KeyError when it is gone)."""
+
+    @abstractmethod
+    def delete(self, location: str) -> None:
+        """Remove a payload; removing one that is already gone is not an error."""
+
+    @abstractmethod
+    def size(self, location: str) -> int | None:
+        """The payload's size in bytes, or None when it does not exist."""
+
+    @abstractmethod
+    def scan(self) -> dict[str, int]:
+        """Every published payload: location -> size."""
+
+    def exists(self, location: str) -> bool:
+        """Whether a payload is stored at the location."""
+        return self.size(location) is not None
+
+
+class RamTier(Tier):
+    """Payloads in anonymous memory maps: deleting one returns its pages to the OS at once."""
+
+    persistent = False
+
+    def __init__(self, quota: int, name: str = "ram") -> None:
+        super().__init__(name, quota)
+        self._maps: dict[str, mmap.mmap] = {}
+        self._sizes: dict[str, int] = {}
+
+    def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
+        """Copy the parts into a fresh anonymous map; the location is the name."""
+        n = _nbytes(parts)
+        self._claim_bytes(n)
+        m = None
+        stored = False
+        try:
+            m = mmap.mmap(-1, max(n, 1))
+            for i, part in enumerate(parts):
+                m.write(part)
+                if i == 0:
+                    _inject_fault(self.name)
+            if claim_ok is not None and not claim_ok():
+                return None
+            with self._lock:
+                old, old_n = self._maps.pop(name, None), self._sizes.get(name, 0)
+                self._maps[name] = m
+                self._sizes[name] = n
+            stored = True
+        except OSError as e:
+            raise TierWriteError(self.name, e.errno, str(e)) from e
+        finally:
+            if not stored:
+                if m is not None:
+                    m.close()
+                self._free_bytes(n)
+        if old is not None:
+            self._release(old, old_n)
+        return name
+
+    def read(self, location: str) -> memoryview:
+        """A zero-copy view of the payload (valid while the row is referenced)."""
+        with self._lock:
+            return memoryview(self._maps[location])[: self._sizes[location]]
+
+    def delete(self, location: str) -> None:
+        """Unmap the payload; if a reader still holds a view, the pages go when the view does."""
+        with self._lock:
+            m = self._maps.pop(location, None)
+            n = self._sizes.pop(location, 0)
+        if m is not None:
+            self._release(m, n)
+
+    def _release(self, m: mmap.mmap, n: int) -> None:
+        # While a reader still holds a view the map cannot close; it is freed with the last view.
+        with contextlib.suppress(BufferError):
+            m.close()
+        self._free_bytes(n)
+
+    def size(self, location: str) -> int | None:
+        with self._lock:
+            return self._sizes.get(location)
+
+    def scan(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._sizes)
+
+    def close(self) -> None:
+        """Drop every payload (ram rows do not outlive the process)."""
+        for location in list(self.scan()):
+            self.delete(location)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, parts: list[Buffer], tier: str) -> None:
+    for i, part in enumerate(parts):
+        mv = memoryview(part).cast("B")
+        while mv:
+            mv = mv[os.write(fd, mv) :]
+        if i == 0:
+            _inject_fault(tier)
+
+
+class FileTier(Tier):
+    """Payloads as files `<key hex>.kvc` in one private directory (0700, files 0600)."""
+
+    persistent = True
+
+    def __init__(self, name: str, root: Path, quota: int) -> None:
+        super().__init__(name, quota)
+        self.root = Path(root).absolute()
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.root.stat()
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"tier {name}: {self.root} is owned by uid {st.st_uid}, not us")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.root, 0o700)
+        self.used = sum(self.scan().values())
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Take this directory for our process alone: two daemons must never reconcile one root."""
+        self._lock_fd = lock_file(self.root / LOCK_NAME, f"tier {self.name}: {self.root}")
+
+    def unlock(self) -> None:
+        """Release the directory lock (closing the descriptor drops the flock)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def location_for(self, name: str) -> str:
+        """Where a payload named `name` (its key hex) is published."""
+        return str(self.root / f"{name}.kvc")
+
+    def _check_location(self, location: str) -> Path:
+        path = Path(location)
+        if path.parent != self.root or not _PUBLISHED.match(path.name):
+            raise ValueError(f"tier {self.name}: {location} is not a location of this tier")
+        return path
+
+    def publish(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool]) -> str | None:
+        """Crash-safe publish: temp file, fdatasync, confirm the claim, rename into place, fsync the dir.
+
+        A crash at any point leaves either no published file or a complete, durable one; temp files
+        are removed by `cleanup_temps` on the next start. Any I/O error raises TierWriteError and
+        leaves no temp file behind.
+        """
+        n = _nbytes(parts)
+        self._claim_bytes(n)
+        tmp = self.root / f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        final = Path(self.location_for(name))
+        moved = published = False
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, parts, self.name)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            if not claim_ok():
+                return None
+            replaced = self.size(str(final)) or 0
+            os.replace(tmp, final)
+            moved = True
+            _fsync_dir(self.root)
+            published = True
+        except OSError as e:
+            raise TierWriteError(self.name, e.errno, f"publishing {final.name}: {e.strerror or e}") from e
+        finally:
+            if not published:
+                (final if moved else tmp).unlink(missing_ok=True)
+                self._free_bytes(n)
+        if replaced:
+            self._free_bytes(replaced)
+        return str(final)
+
+    def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
+        """`publish`, with a claim that always holds when none is given."""
+        return self.publish(name, parts, claim_ok or (lambda: True))
+
+    def read(self, location: str) -> bytearray:
+        """The whole file, read into one preallocated buffer (no intermediate copies)."""
+        path = self._check_location(location)
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(errno.EIO, f"{path} shrank while being read")
+                got += n
+        return buf
+
+    def delete(self, location: str) -> None:
+        """Unlink the file (the index has already committed its removal)."""
+        path = self._check_location(location)
+        try:
+            n = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self._free_bytes(n)
+
+    def size(self, location: str) -> int | None:
+        try:
+            return self._check_location(location).stat().st_size
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def scan(self) -> dict[str, int]:
+        out = {}
+        with os.scandir(self.root) as it:
+            for entry in it:
+                if _PUBLISHED.match(entry.name):
+                    try:
+                        out[str(self.root / entry.name)] = entry.stat().st_size
+                    except FileNotFoundError:
+                        continue
+        return out
+
+    def temps(self) -> list[Path]:
+        """Temp files in the directory (a writer's, or a dead writer's leftovers)."""
+        return [self.root / n for n in os.listdir(self.root) if n.startswith(_TEMP_PREFIX)]
+
+    def cleanup_temps(self) -> int:
+        """Remove every temp file; only safe when no writer of ours is running (at open)."""
+        removed = 0
+        for path in self.temps():
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+
+def lock_file(path: Path, what: str) -> int:
+    """Hold an exclusive flock on `path` (created 0600); the kernel drops it when we die."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(f"{what} is in use by another process") from None
+    return fd
