@@ -80,6 +80,7 @@ class Hit:
     n_tokens: int
     tier: str
     total_tokens: int
+    text_bytes: int = 0  # rendered bytes of the whole checkpoint (all total_tokens)
 
 
 @dataclass(frozen=True)
@@ -387,7 +388,7 @@ class Index:
             if raw is not None:
                 row = Row.decode(key, raw)
                 if row.status == AVAILABLE:
-                    return Hit(key, row.tokens, row.tier, row.tokens)
+                    return Hit(key, row.tokens, row.tier, row.tokens, row.text_bytes)
             cur = txn.cursor(db=self._aliases)
             if not cur.set_key(key):
                 return None
@@ -402,7 +403,7 @@ class Index:
                     continue
                 rank = (TIER_RANK.get(row.tier, len(TIER_RANK)), row.tokens)
                 if best is None or rank < best[0]:
-                    best = (rank, Hit(row_key, n, row.tier, row.tokens))
+                    best = (rank, Hit(row_key, n, row.tier, row.tokens, row.text_bytes))
         return best[1] if best else None
 
     def rows(self) -> list[Row]:

@@ -116,8 +116,8 @@ class ModelCache:
                 hit = self.store.lookup(parent_key)
         if hit is None or hit.n_tokens != hit.total_tokens:
             return None
-        nbytes = self.store.text_bytes(hit)
-        if nbytes is None or nbytes >= len(rendered) or self.key(rendered[:nbytes]) != parent_key:
+        nbytes = hit.text_bytes
+        if nbytes >= len(rendered) or self.key(rendered[:nbytes]) != parent_key:
             return None
         return Found("resume", hit.n_tokens, hit=hit, tier=hit.tier)
 
@@ -206,4 +206,4 @@ class ModelCache:
             ckpt, self.tier, prefixes, sync=sync, timeout=max(0.0, deadline - time.monotonic()) if sync else None
         )
         seq.stored_key = key
-        return bool(outcome.published) if sync else True
+        return outcome.status == "published" if sync else outcome.status == "queued"
