@@ -6,12 +6,16 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
 from barrelctl import state
 from barrelctl.commands import cache, complete, daemon, models, scheduler
 from barrelctl.errors import EXIT_USAGE, CliError
+
+try:  # recent typer vendors its own click; older releases use the click package
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_exc
 
 app = typer.Typer(
     name="barrelctl",
@@ -58,14 +62,14 @@ def main() -> None:
     except CliError as exc:
         print(f"barrelctl: {exc}", file=sys.stderr)
         sys.exit(exc.code)
-    except click.exceptions.NoArgsIsHelpError as exc:
+    except click_exc.NoArgsIsHelpError as exc:
         print(exc.ctx.get_help() if exc.ctx else exc.format_message(), file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    except click.UsageError as exc:
+    except click_exc.UsageError as exc:
         hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
         print(f"barrelctl: {exc.format_message()}{hint}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    except click.Abort:
+    except click_exc.Abort:
         print("barrelctl: interrupted", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:

@@ -178,7 +178,7 @@ class ModelRegistry:
                 return model
             if name in BUNDLED:
                 return self.load(name, LoadOptions(tier=self.default_tier))
-        raise NotFound(f"model {name!r} is not loaded; run `barrelctl load {name} --path FILE.gguf` first")
+        raise NotFound(f"unknown model {name!r}: it is not loaded; run `barrelctl load {name} --path FILE.gguf` first")
 
     def unload(self, name: str) -> int:
         with self._lock:

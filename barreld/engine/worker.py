@@ -47,6 +47,9 @@ class ModelWorker:
         self.cache = cache
         self.max_queue = max_queue
         self.seqs = [Sequence(i) for i in range(backend.n_seq_max)]
+        # A completion has at least one token: end-of-generation is masked at the first step, or an
+        # instruct model given a bare question would often answer with nothing at all.
+        self.eog_tokens = np.array([t for t in range(backend.n_vocab) if backend.is_eog(t)], dtype=np.int64)
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []
         self._flush: list[tuple[Sequence, int]] = []  # finished sequences whose last token is not yet in KV
@@ -333,6 +336,9 @@ class ModelWorker:
     def _take(self, req: Request, logits: np.ndarray) -> None:
         """Samples the next token, streams its text, and finishes the request when a limit is reached."""
         seq = self.seqs[req.seq]
+        if req.generated == 0:
+            logits = logits.copy()
+            logits[self.eog_tokens] = -np.inf
         token = req.sampler.sample(logits)
         req.generated += 1
         now = time.perf_counter()
