@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from barreld.sizes import parse_size
 
 from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
+from barreld.sizes import parse_size
 
 app = typer.Typer(help="Inspect the KV cache and free space.", no_args_is_help=True)
 TIERS = ("ram", "ram_file", "disk")

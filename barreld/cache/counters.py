@@ -21,6 +21,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "evictions",
     "corrupt_files",
     "longest_prefix_probes",
+    "resume_waits",
     "lookup_ns",
     "restore_ns",
     "save_ns",

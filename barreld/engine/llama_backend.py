@@ -104,6 +104,13 @@ class LlamaBackend:
         self._piece_buf = ctypes.create_string_buffer(512)
         self._pieces: dict[int, bytes] = {}
         self._template = L.llama_model_chat_template(self._model, None)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One small decode at load, so the first request does not pay for llama.cpp's lazy allocations."""
+        bos = self._L.llama_vocab_bos(self._vocab)
+        self.decode([BatchItem(max(bos, 0), 0, 0, False), BatchItem(max(bos, 0), 1, 0, True)])
+        self.seq_rm(0, 0, -1)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
     from barreld.cache import CacheStore, Checkpoint, Hit
 
 log = logging.getLogger(__name__)
+
+# Test hook (documented in barreld(8)): drop every async save as a full writer queue would, so the
+# sync evict and shutdown saves that recover such lost states can be exercised.
+DROP_ASYNC_ENV = "BARREL_TEST_DROP_ASYNC_SAVES"
 
 PATHS = ("live", "exact", "resume", "longest_prefix")
 
@@ -87,7 +92,7 @@ class ModelCache:
         try:
             for candidate in (
                 self._exact(tokens, rendered),
-                self._resume(parent_key, rendered),
+                self._resume(parent_key, rendered, offsets),
                 self._longest_prefix(tokens, rendered, offsets, best.tokens),
             ):
                 if candidate is not None and candidate.tokens > best.tokens:
@@ -97,27 +102,34 @@ class ModelCache:
         return best
 
     def _exact(self, tokens: list[int], rendered: bytes) -> Found | None:
+        """The whole prompt's key: a checkpoint of exactly this prompt, or one that extends it (a finish
+        checkpoint is also indexed under its prompt's key)."""
         hit = self.store.lookup(self.key(rendered))
-        if hit is None or hit.n_tokens != hit.total_tokens:
+        if hit is None:
             return None
         return Found("exact", hit.n_tokens, hit=hit, tier=hit.tier)
 
-    def _resume(self, parent_key: bytes | None, rendered: bytes) -> Found | None:
+    def _resume(self, parent_key: bytes | None, rendered: bytes, offsets: list[int]) -> Found | None:
         """The parent checkpoint's bytes must be a strict prefix of the prompt: checked through the key
-        itself (the hash of the prompt's first text_bytes bytes), so no file is read to decide."""
+        itself (the hash of the prompt's first bytes), so no file is read to decide."""
         if not parent_key:
             return None
         hit = self.store.lookup(parent_key)
         if hit is None:
             pending = self.store.pending(parent_key)
             if pending is not None:
+                self.store.counters.count("resume_waits")
                 with contextlib.suppress(Exception):
                     pending.result(timeout=self.policy.session_resume_wait_ms / 1000.0)
                 hit = self.store.lookup(parent_key)
-        if hit is None or hit.n_tokens != hit.total_tokens:
+        if hit is None:
             return None
-        nbytes = hit.text_bytes
-        if nbytes >= len(rendered) or self.key(rendered[:nbytes]) != parent_key:
+        # A whole checkpoint renders to hit.text_bytes bytes; a prefix alias to the bytes of its first
+        # n tokens, which are the prompt's own first n tokens when both tokenise alike.
+        lengths = {hit.text_bytes} if hit.n_tokens == hit.total_tokens else set()
+        if hit.n_tokens < len(offsets):
+            lengths.add(offsets[hit.n_tokens])
+        if not any(n < len(rendered) and self.key(rendered[:n]) == parent_key for n in lengths):
             return None
         return Found("resume", hit.n_tokens, hit=hit, tier=hit.tier)
 
@@ -179,6 +191,9 @@ class ModelCache:
     def _save(self, seq: Sequence, reason: str, *, sync: bool, deadline: float | None = None) -> bool:
         if self.store is None or not self.policy.allows_save(len(seq.tokens)):
             return False
+        if not sync and os.environ.get(DROP_ASYNC_ENV) == "1":
+            self.store.counters.count("saves_dropped")
+            return False
         key = self.key(bytes(seq.rendered))
         if seq.stored_key == key and (self.store.lookup(key) is not None or self.store.pending(key)):
             return False
@@ -197,9 +212,10 @@ class ModelCache:
             state=self.read_state(seq.id),
             logits=seq.logits.tobytes() if seq.logits is not None else None,
         )
-        prefixes = [
-            (self.key(bytes(seq.rendered[: seq.offsets[b]])), b) for b in self.policy.prefix_boundaries(len(seq.tokens))
-        ]
+        points = set(self.policy.prefix_boundaries(len(seq.tokens)))
+        if 0 < seq.prompt_len < len(seq.tokens):
+            points.add(seq.prompt_len)
+        prefixes = [(self.key(bytes(seq.rendered[: seq.offsets[b]])), b) for b in sorted(points)]
         if deadline is None:
             deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
         outcome = self.store.save(

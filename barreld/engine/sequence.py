@@ -20,6 +20,7 @@ class Sequence:
     last_used: float = field(default_factory=time.monotonic)
     stored_key: bytes | None = None  # a checkpoint of exactly this state is stored or being written
     logits: np.ndarray | None = None  # logits of the last position, when known
+    prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
 
     @property
     def idle(self) -> bool:
@@ -37,8 +38,10 @@ class Sequence:
             del self.tokens[n:]
             del self.offsets[n + 1 :]
             del self.rendered[self.offsets[-1] :]
+            self.prompt_len = min(self.prompt_len, n)
             self.stored_key = None
             self.logits = None
 
     def clear(self) -> None:
         self.truncate(0)
+        self.prompt_len = 0

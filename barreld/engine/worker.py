@@ -52,7 +52,6 @@ class ModelWorker:
         self.eog_tokens = np.array([t for t in range(backend.n_vocab) if backend.is_eog(t)], dtype=np.int64)
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []
-        self._flush: list[tuple[Sequence, int]] = []  # finished sequences whose last token is not yet in KV
         self._cond = threading.Condition()
         self._stopping = False
         self._next_id = 0
@@ -103,16 +102,16 @@ class ModelWorker:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._active or self._flush):
+                    while not (self._stopping or self._waiting or self._active):
                         self._cond.wait()
                     if self._stopping:
                         for req in self._waiting:
                             req.events.put(Failed(Unavailable(f"model {self.name} was unloaded")))
                         self._waiting.clear()
-                        if not self._active and not self._flush:
+                        if not self._active:
                             break
                 self._admit()
-                if self._active or self._flush:
+                if self._active:
                     self._tick()
             self._shutdown_saved = self.cache.save_all(self.seqs, "shutdown")
         except Exception:
@@ -180,6 +179,7 @@ class ModelWorker:
             )
         kept = self._settle(seq, kept, len(req.target))
         req.prompt_tokens = len(req.target)
+        seq.prompt_len = len(req.target)
         req.cache.path = found.path if kept > 0 else "miss"
         req.cache.restored_tokens = kept
         req.cache.prefilled_tokens = len(req.target) - kept
@@ -207,6 +207,8 @@ class ModelWorker:
     def _restore(self, seq: Sequence, found: Found, tokens: list[int], rendered: bytes) -> int:
         """Puts the found prefix into seq; returns how many of its tokens are now in KV."""
         if found.path == "live":
+            if found.tokens < len(seq.tokens):
+                self.cache.save_sync(seq, "evict")  # the part about to be dropped may be stored nowhere else
             self.backend.seq_rm(seq.id, found.tokens, -1)
             seq.truncate(found.tokens)
             return found.tokens
@@ -259,10 +261,6 @@ class ModelWorker:
         items: list[BatchItem] = []
         samplers: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
-        flushes: list[tuple[Sequence, int]] = []
-        for seq, token in self._flush:
-            flushes.append((seq, len(items)))
-            items.append(BatchItem(token, len(seq.tokens), seq.id, True))
         for req in list(self._active):
             seq = self.seqs[req.seq]
             if req.cancelled.is_set():
@@ -293,16 +291,7 @@ class ModelWorker:
             log.error("decode failed: %s", exc)
             for req in list(self._active):
                 self._fail(req, BarrelError(f"llama.cpp decode failed: {exc}"))
-            for seq, _ in flushes:
-                be.seq_rm(seq.id, 0, -1)
-                seq.clear()
-            self._flush.clear()
             return
-        self._flush.clear()
-        for seq, idx in flushes:
-            seq.append(items[idx].token, be.piece(items[idx].token))
-            seq.logits = be.logits(idx)
-            self.cache.save_async(seq, "finish")
         for req, idx in prefills:
             seq = self.seqs[req.seq]
             start = len(seq.tokens)
@@ -359,31 +348,36 @@ class ModelWorker:
             req.pending = token
 
     def _finish(self, req: Request, reason: str, last: int | None = None) -> None:
-        """Answers the client at once; the last token's KV and the finish save follow on the next tick."""
+        """Puts the last sampled token into KV, hands the finish save to the writers, then answers.
+
+        The save is queued before the client hears Done, so a next turn that resumes from this
+        checkpoint finds it stored or in flight (and waits for it), never missing.
+        """
         seq = self.seqs[req.seq]
         if reason == "cancelled":
             log.info("request %d cancelled by its client after %d tokens; generation stopped", req.id, req.generated)
             last = req.pending
         req.pending = None
-        tail = req.scanner.flush() if reason != "stop" else b""
+        tail = b"" if req.scanner.stopped else req.scanner.flush()
         if tail:
             req.events.put(Token(tail))
         if len(seq.tokens) < len(req.target):
-            # Cancelled mid-prefill: keep only what was evaluated.
-            last = None
-        final = bytes(seq.rendered)
+            last = None  # cancelled mid-prefill: keep only what was evaluated
         if last is not None and len(seq.tokens) + 1 < self.backend.n_ctx:
-            final += self.backend.piece(last)
-            self._flush.append((seq, last))
-        else:
-            self.cache.save_async(seq, "finish")
+            try:
+                self.backend.decode([BatchItem(last, len(seq.tokens), seq.id, True)])
+                seq.append(last, self.backend.piece(last))
+                seq.logits = self.backend.logits(0)
+            except BackendError as exc:
+                log.error("could not evaluate the last token of request %d: %s", req.id, exc)
+        self.cache.save_async(seq, "finish")
         req.timings.total = time.perf_counter() - req.submitted
         t = req.timings
         req.events.put(
             Done(
                 text=req.scanner.text,
                 finish_reason=reason,
-                key=self.cache.key(final),
+                key=self.cache.key(bytes(seq.rendered)),
                 prompt_key=req.prompt_key,
                 cache=req.cache,
                 prompt_tokens=req.prompt_tokens,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -192,6 +194,68 @@ class Servicer(pb_grpc.BarrelServicer):
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsReply:
         default = self.registry.default_name
         return pb.ListModelsReply(models=[model_info(m, default) for m in self.registry.models()])
+
+    def _cache(self) -> CacheStore:
+        if self.store is None:
+            raise Unavailable("the cache is not open")
+        return self.store
+
+    @rpc
+    def CacheDump(self, request: pb.CacheDumpRequest, context: grpc.ServicerContext) -> pb.CacheDumpReply:
+        if request.tier and request.tier not in TIERS:
+            raise InvalidArgument(f"unknown tier {request.tier!r}; use one of {', '.join(TIERS)}")
+        rows = self._cache().dump(model=request.model or None, tier=request.tier or None)
+        return pb.CacheDumpReply(rows=[pb.CacheRow(**{**r, "location": r["location"] or ""}) for r in rows])
+
+    @rpc
+    def CacheStats(self, request: pb.CacheStatsRequest, context: grpc.ServicerContext) -> pb.CacheStatsReply:
+        stats = self._cache().stats()
+        return pb.CacheStatsReply(
+            counters=stats["counters"],
+            tiers={
+                name: pb.TierUsage(bytes=t["bytes"], quota=t["quota"], rows=t["rows"], root=str(t.get("root") or ""))
+                for name, t in stats["tiers"].items()
+            },
+        )
+
+    @rpc
+    def CacheGc(self, request: pb.CacheGcRequest, context: grpc.ServicerContext) -> pb.CacheGcReply:
+        return pb.CacheGcReply(evicted=self._cache().gc())
+
+    @rpc
+    def CacheEvictBytes(
+        self, request: pb.CacheEvictBytesRequest, context: grpc.ServicerContext
+    ) -> pb.CacheEvictBytesReply:
+        if request.bytes < 0:
+            raise InvalidArgument(f"bad size {request.bytes}: must be >= 0")
+        unknown = [t for t in request.tiers if t not in TIERS]
+        if unknown:
+            raise InvalidArgument(f"unknown tier {unknown[0]!r}; use one of {', '.join(TIERS)}")
+        evicted, freed = self._cache().evict_bytes(request.bytes, list(request.tiers) or None)
+        return pb.CacheEvictBytesReply(evicted=evicted, bytes_freed=freed)
+
+    @rpc
+    def CacheVerify(
+        self, request: pb.CacheVerifyRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.CacheVerifyEvent]:
+        store = self._cache()
+        progress: queue.Queue = queue.Queue()
+        result: list = []
+
+        def work() -> None:
+            try:
+                result.append(store.verify(lambda done, total: progress.put((done, total))))
+            except Exception as exc:  # noqa: BLE001 - handed to the RPC thread below
+                result.append(exc)
+            progress.put(None)
+
+        threading.Thread(target=work, name="verify", daemon=True).start()
+        while (item := progress.get()) is not None:
+            yield pb.CacheVerifyEvent(progress=pb.CacheVerifyProgress(done=item[0], total=item[1]))
+        if isinstance(result[0], Exception):
+            raise result[0]
+        checked, bad = result[0]
+        yield pb.CacheVerifyEvent(result=pb.CacheVerifyResult(checked=checked, bad=bad))
 
     @rpc
     def SchedulerStatus(self, request, context) -> pb.SchedulerStatusReply:
