@@ -82,6 +82,7 @@ class Config:
     data_dir: Path
     socket: Path | None  # None: the contract's default socket path
     writers: int | None  # None: the writer pool's own default
+    max_queue: int | None  # None: the worker's own default; requests waiting per model beyond n_seq_max
     tiers: Mapping[str, TierConfig]
     policy: Policy
     scheduler: SchedulerConfig
@@ -141,7 +142,7 @@ class _Reader:
 
     def config(self, path: Path | None, data: dict[str, Any], data_dir: Path | None) -> Config:
         self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models"))
-        daemon = self.table(data, "daemon", ("socket", "data_dir", "writers"))
+        daemon = self.table(data, "daemon", ("socket", "data_dir", "writers", "max_queue"))
         if data_dir is not None:
             data_dir, data_dir_key = data_dir.expanduser().absolute(), "data_dir"
         elif "data_dir" in daemon:
@@ -151,11 +152,12 @@ class _Reader:
         self.writable_dir(data_dir, data_dir_key)
         socket = self.path(daemon["socket"], "daemon.socket") if "socket" in daemon else None
         writers = self.integer(daemon["writers"], "daemon.writers", 1) if "writers" in daemon else None
+        max_queue = self.integer(daemon["max_queue"], "daemon.max_queue", 0) if "max_queue" in daemon else None
         tiers = self.tiers(data, data_dir)
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
-        return Config(path, data_dir, socket, writers, tiers, policy, scheduler, models)
+        return Config(path, data_dir, socket, writers, max_queue, tiers, policy, scheduler, models)
 
     def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
         tables = self.table(data, "tiers", TIER_NAMES)

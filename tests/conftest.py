@@ -89,10 +89,10 @@ class World:
         return subprocess.Popen([sys.executable, "-m", "barrelctl", *args], env=self.env(), cwd=self.base,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
-    def start_daemon(self, *args: str, wait: bool = True) -> subprocess.Popen:
+    def start_daemon(self, *args: str, wait: bool = True, env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.log, "ab") as log:
             p = subprocess.Popen([sys.executable, "-m", "barreld", "--socket", str(self.socket), *args],
-                                 env=self.env(), cwd=self.base, stdout=log, stderr=log)
+                                 env=self.env(**(env or {})), cwd=self.base, stdout=log, stderr=log)
         self.procs.append(p)
         if wait:
             self.wait_ready(p)

@@ -12,7 +12,7 @@ from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
 from barreld.cache.policy import Policy
 from barreld.engine.llama_backend import ContextSettings, LlamaBackend, ModelLoadError
 from barreld.engine.model_cache import ModelCache
-from barreld.engine.worker import ModelWorker
+from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,9 @@ class LoadedModel:
 
 
 class ModelRegistry:
-    def __init__(self, store, base_policy: Policy, default_tier: str = "disk") -> None:
+    def __init__(self, store, base_policy: Policy, default_tier: str = "disk", max_queue: int | None = None) -> None:
         self.store = store
+        self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.base_policy = base_policy
         self.default_tier = default_tier
         self._models: dict[str, LoadedModel] = {}
@@ -145,7 +146,7 @@ class ModelRegistry:
                 quant=quant,
                 ctx_params=ctx_bytes,
             )
-            worker = ModelWorker(name, backend, cache)
+            worker = ModelWorker(name, backend, cache, max_queue=self.max_queue)
             model = LoadedModel(name, path, opts, policy, fingerprint, quant, worker)
             self._models[name] = model
             if self._default is None:

@@ -126,8 +126,8 @@ class ModelWorker:
     def _admit(self) -> None:
         while True:
             with self._cond:
-                while self._waiting and self._waiting[0].cancelled.is_set():
-                    req = self._waiting.popleft()
+                for req in [r for r in self._waiting if r.cancelled.is_set()]:
+                    self._waiting.remove(req)
                     log.info("request %d cancelled by its client while queued", req.id)
                     req.events.put(Failed(BarrelError("cancelled")))
                 if not self._waiting or not any(s.idle for s in self.seqs):

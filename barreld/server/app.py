@@ -9,6 +9,8 @@ from pathlib import Path
 from barreld.config import Config
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import BarrelError
+from barreld.pressure.scheduler import PressureScheduler
+from barreld.pressure.sources import make_source
 from barreld.server.daemon import DataDirLock, GrpcServer, ShutdownSignal, StartupError, notify_systemd
 from barreld.server.servicer import Servicer
 
@@ -33,7 +35,8 @@ class Daemon:
         self.lock.acquire()
         self.signal.install()
         self.store = self._open_store()
-        self.registry = ModelRegistry(self.store, self.config.policy)
+        self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue)
+        self.scheduler = self._start_scheduler()
         self.servicer = Servicer(
             self.registry,
             self.store,
@@ -81,17 +84,26 @@ class Daemon:
             except BarrelError as exc:
                 log.error("config model %s not loaded: %s", m.name, exc)
 
+    def _start_scheduler(self) -> PressureScheduler:
+        """Off by default, as in the guide; when on, it evicts cache rows from its tiers under pressure."""
+        s = self.config.scheduler
+        try:
+            source = make_source(s.pressure_source)
+        except ValueError as exc:
+            raise StartupError(f"scheduler.pressure_source: {exc}") from None
+        scheduler = PressureScheduler(
+            source,
+            self.store.evict_bytes,
+            enabled=s.enabled,
+            interval_ms=s.interval_ms,
+            high_watermark=s.high_watermark,
+            low_watermark=s.low_watermark,
+            evict_tiers=s.evict_tiers,
+        )
+        scheduler.start()
+        return scheduler
+
     def _scheduler_status(self) -> dict:
-        if self.scheduler is None:
-            s = self.config.scheduler
-            return {
-                "enabled": False,
-                "source": s.pressure_source,
-                "high_watermark": s.high_watermark,
-                "low_watermark": s.low_watermark,
-                "interval_ms": s.interval_ms,
-                "evict_tiers": list(s.evict_tiers),
-            }
         return self.scheduler.status()
 
     def wait(self) -> None:

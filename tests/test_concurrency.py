@@ -1,0 +1,109 @@
+"""Several sequences in one context: concurrent clients, a bounded queue, warm turns with n_seq_max=2."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from barreld.rpc import barrel_pb2 as pb
+from barreld.rpc import barrel_pb2_grpc as pb_grpc
+from tests.conftest import World, make_world
+from tests.test_cache_paths import POLICY, complete, counters, doc
+
+pytestmark = pytest.mark.model
+
+
+def with_model(n_seq_max: int, extra: str = "") -> str:
+    return POLICY + extra + f'\n[[models]]\nname = "smollm2"\nn_seq_max = {n_seq_max}\n'
+
+
+def model_state(w: World) -> dict:
+    return w.ctl("--json", "models").json()["models"][0]
+
+
+def wait_idle(w: World, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = model_state(w)
+        if (m["running"], m["queued"]) == (0, 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_four_clients_at_once_get_the_replies_they_would_get_alone() -> None:
+    prompts = [doc(700 + i, 300) for i in range(4)]
+    with make_world(with_model(1)) as w:
+        w.start_daemon()
+        alone = [complete(w, p) for p in prompts]
+    with make_world(with_model(4)) as w:
+        w.start_daemon()
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: complete(w, p), prompts))
+        for a, t in zip(alone, together, strict=True):
+            assert t["tokens"]["completion"] >= 1 and t["text"].strip()
+            assert t["cache"]["path"] == "miss"
+            assert t["text"] == a["text"]
+        c = counters(w)
+        assert c["misses"] == 4 and c["saves_finish"] == 4
+        assert len({r["key"] for r in w.ctl("--json", "cache", "dump").json()["rows"]}) >= 4
+        assert model_state(w)["live"] == 4
+        # Each prompt again, all at once: each is served warm from its own live sequence.
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda p: complete(w, p), prompts))
+        assert [a["cache"]["path"] for a in again] == ["live"] * 4
+        assert [a["text"] for a in again] == [t["text"] for t in together]
+
+
+def test_queue_bound_answers_resource_exhausted() -> None:
+    with make_world(with_model(1, "\n[daemon]\nmax_queue = 1\n")) as w:
+        w.start_daemon()
+        long = [w.ctl_popen("complete", doc(800 + i, 200), "--max-tokens", "400") for i in range(2)]
+        time.sleep(1.5)   # one running, one queued
+        r = w.ctl("complete", "one too many", "--max-tokens", "2")
+        assert r.rc == 1, r.err
+        assert "queued" in r.err and len(r.err.strip().splitlines()) == 1
+        for p in long:
+            p.kill()
+        m = wait_idle(w)
+        assert (m["running"], m["queued"]) == (0, 0)
+
+
+def test_two_sequences_three_conversations_every_later_turn_is_warm() -> None:
+    with make_world(with_model(2)) as w:
+        w.start_daemon()
+        history = {c: doc(900 + c, 560) for c in range(3)}
+        paths = []
+        for turn in range(3):
+            for c in range(3):
+                got = complete(w, history[c])
+                if turn > 0:
+                    paths.append(got["cache"]["path"])
+                    assert got["cache"]["restored_tokens"] > 0
+                history[c] += got["text"] + f" Turn {turn} question for conversation {c}?"
+        assert set(paths) <= {"live", "exact", "resume", "longest_prefix"}
+        assert "live" in paths or counters(w)["saves_evict"] + counters(w)["saves_finish"] > 0
+        assert len(paths) == 6
+
+
+def test_disconnects_while_queued_and_mid_stream_free_their_places(world: World) -> None:
+    world.write_config(with_model(1))
+    world.start_daemon()
+    stub = pb_grpc.BarrelStub(grpc.insecure_channel(f"unix:{world.socket}"))
+    running = stub.Complete(pb.CompleteRequest(prompt=doc(1000, 200).encode(), max_tokens=2000))
+    next(iter(running))                                    # started: it holds the only sequence
+    queued = stub.Complete(pb.CompleteRequest(prompt=doc(1001, 200).encode(), max_tokens=2000))
+    deadline = time.monotonic() + 10
+    while model_state(world)["queued"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert model_state(world)["queued"] == 1
+    queued.cancel()
+    running.cancel()
+    m = wait_idle(world)
+    assert (m["running"], m["queued"]) == (0, 0)
+    log = world.log_text()
+    assert "cancelled by its client while queued" in log and "cancelled by its client after" in log
+    assert json.loads(world.ctl("--json", "complete", "after", "--max-tokens", "2").out)["tokens"]["completion"] >= 1
