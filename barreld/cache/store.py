@@ -273,13 +273,13 @@ class CacheStore:
             ckpt = replace(ckpt, prefixes=prefixes)
         size = encoded_size(ckpt)
         key = ckpt.key
-        if size > self._tiers[tier].quota:
-            self.counters.count("saves_dropped")
-            return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
         with self._plock:
             if key in self._pending or index.get(key) is not None:
                 self.counters.count("saves_duplicate")
                 return SaveOutcome("duplicate", key, tier)
+            if size > self._tiers[tier].quota:
+                self.counters.count("saves_dropped")
+                return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
             try:
                 assert self._pool is not None
                 fut = self._pool.submit(lambda: self._publish(ckpt, tier, size), urgent=sync)
