@@ -167,7 +167,7 @@ class Index:
         self._clock = 0
         self._used: dict[str, int] = dict.fromkeys(quotas, 0)
         self._count: dict[str, int] = dict.fromkeys(quotas, 0)
-        self.recount()
+        self._recount()
 
     def close(self) -> None:
         """Fold pending LRU touches into the rows and close LMDB."""
@@ -175,7 +175,7 @@ class Index:
             pass
         self._env.close()
 
-    def recount(self) -> None:
+    def _recount(self) -> None:
         """Recompute per-tier totals from the rows (at open) and start the LRU clock after the newest."""
         with self._write_lock, self._env.begin(db=self._rows) as txn:
             used = dict.fromkeys(self.quotas, 0)
@@ -367,11 +367,6 @@ class Index:
         with self._mem_lock:
             _, hits = self._touched.get(key, (0, 0))
             self._touched[key] = (ns, hits + 1)
-
-    def busy(self) -> bool:
-        """Whether any reference or pending eviction exists (check() expects none when idle)."""
-        with self._mem_lock:
-            return bool(self._refs or self._doomed)
 
     # ---- reads --------------------------------------------------------------------------------
 

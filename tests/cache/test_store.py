@@ -403,3 +403,15 @@ def test_lowered_quota_evicts_lru_at_open(store: CacheStore, store_factory: Stor
     assert keys(store) == {a.key, c.key}
     assert store.last_reconcile is not None and store.last_reconcile.over_quota_removed == 1
     assert store.check() == []
+
+
+def test_orphan_whose_key_lives_in_the_other_tier_is_removed(
+    store: CacheStore, store_factory: StoreFactory
+) -> None:
+    a = save(store, b"prompt-A", "ram_file")
+    copy = store._tiers["disk"].location_for(a.key.hex())
+    shutil.copyfile(store._tiers["ram_file"].location_for(a.key.hex()), copy)
+    store = reopen(store, store_factory)
+    assert store.last_reconcile is not None and store.last_reconcile.duplicates_removed == 1
+    assert not os.path.exists(copy) and keys(store, "ram_file") == {a.key}
+    assert store.check() == []
