@@ -226,8 +226,8 @@ class Index:
             for row in batch.removed:
                 try:
                     self._on_removed(row)
-                except OSError as e:  # the file is now an orphan: check() reports it, open() adopts it
-                    log.warning("deleting the payload of %s failed: %s", row.key.hex(), e)
+                except Exception:  # committed already: the payload is an orphan that open() will adopt
+                    log.exception("deleting the payload of %s failed", row.key.hex())
             with self._mem_lock:
                 self._doomed.difference_update(batch.doomed)
 

@@ -415,3 +415,23 @@ def test_orphan_whose_key_lives_in_the_other_tier_is_removed(
     assert store.last_reconcile is not None and store.last_reconcile.duplicates_removed == 1
     assert not os.path.exists(copy) and keys(store, "ram_file") == {a.key}
     assert store.check() == []
+
+
+def test_a_failed_payload_delete_does_not_poison_the_key(
+    store: CacheStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = save(store, b"prompt-A")
+    disk = store._tiers["disk"]
+
+    def broken_delete(location: str) -> None:
+        raise ValueError("simulated")
+
+    monkeypatch.setattr(disk, "delete", broken_delete)
+    assert store.gc() == 1  # the row goes; its file stays behind as an orphan
+    monkeypatch.undo()
+    assert any("has no row" in p for p in store.check())
+    os.unlink(disk.location_for(a.key.hex()))
+    disk.delete(disk.location_for(a.key.hex()))  # forget its size, as a reopen would
+    save(store, b"prompt-A")
+    assert restored_state(store, a.key) == bytes(a.state)  # the key is usable again
+    assert store.check() == []
