@@ -51,6 +51,11 @@ MIN_FILE_LEN = _HEADER.size + _TRAILER_LEN
 
 Buffer = bytes | bytearray | memoryview
 
+# Tokens are written as the host's array('i'), and state and logits as the engine hands them over:
+# the file format is little-endian, so a big-endian host must not write it.
+if sys.byteorder != "little" or array("i").itemsize != 4:
+    raise ImportError("barreld.cache needs a little-endian host with a 32-bit C int")
+
 
 @dataclass
 class Checkpoint:
@@ -139,11 +144,6 @@ def _plan(ckpt: Checkpoint) -> _Plan:
     tokens = ckpt.tokens if isinstance(ckpt.tokens, array) and ckpt.tokens.typecode == "i" else None
     if tokens is None:
         tokens = array("i", ckpt.tokens)
-    if tokens.itemsize != 4:
-        raise ValueError("tokens must be int32")
-    if sys.byteorder != "little":
-        tokens = array("i", tokens)
-        tokens.byteswap()
     rendered = memoryview(ckpt.rendered).cast("B")
     state = memoryview(ckpt.state).cast("B")
     logits = memoryview(ckpt.logits if ckpt.logits is not None else b"").cast("B")
@@ -239,8 +239,6 @@ def decode(buf: Buffer) -> Checkpoint:
         meta = json.loads(bytes(mv[_HEADER.size : _HEADER.size + meta_len]))
         tokens = array("i")
         tokens.frombytes(mv[tokens_at:rendered_at])
-        if sys.byteorder != "little":
-            tokens.byteswap()
         return Checkpoint(
             key=bytes.fromhex(meta["key"]),
             model=meta["model"],

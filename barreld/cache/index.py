@@ -168,7 +168,7 @@ class Index:
         self._clock = 0
         self._used: dict[str, int] = dict.fromkeys(quotas, 0)
         self._count: dict[str, int] = dict.fromkeys(quotas, 0)
-        self.recount()
+        self._recount()
 
     def close(self) -> None:
         """Fold pending LRU touches into the rows and close LMDB."""
@@ -176,7 +176,7 @@ class Index:
             pass
         self._env.close()
 
-    def recount(self) -> None:
+    def _recount(self) -> None:
         """Recompute per-tier totals from the rows (at open) and start the LRU clock after the newest."""
         with self._write_lock, self._env.begin(db=self._rows) as txn:
             used = dict.fromkeys(self.quotas, 0)
@@ -227,8 +227,8 @@ class Index:
             for row in batch.removed:
                 try:
                     self._on_removed(row)
-                except OSError as e:  # the file is now an orphan: check() reports it, open() adopts it
-                    log.warning("deleting the payload of %s failed: %s", row.key.hex(), e)
+                except Exception:  # committed already: the payload is an orphan that open() will adopt
+                    log.exception("deleting the payload of %s failed", row.key.hex())
             with self._mem_lock:
                 self._doomed.difference_update(batch.doomed)
 
@@ -368,11 +368,6 @@ class Index:
         with self._mem_lock:
             _, hits = self._touched.get(key, (0, 0))
             self._touched[key] = (ns, hits + 1)
-
-    def busy(self) -> bool:
-        """Whether any reference or pending eviction exists (check() expects none when idle)."""
-        with self._mem_lock:
-            return bool(self._refs or self._doomed)
 
     # ---- reads --------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import TracebackType
 
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
@@ -67,6 +66,7 @@ class ReconcileReport:
     missing_dropped: int = 0
     adopted: int = 0
     corrupt_removed: int = 0
+    duplicates_removed: int = 0
     over_quota_removed: int = 0
 
 
@@ -156,7 +156,7 @@ class CacheStore:
     def __enter__(self) -> CacheStore:
         return self.open() if self._index is None else self
 
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _require_open(self) -> Index:
@@ -224,7 +224,8 @@ class CacheStore:
             return
         size = tier.size(location) or 0
         with index.write() as b:
-            fits = b.get(ckpt.key) is None and index.usage(tier.name)[0] + size <= tier.quota
+            duplicate = b.get(ckpt.key) is not None  # the key already lives in the other file tier
+            fits = not duplicate and index.usage(tier.name)[0] + size <= tier.quota
             if fits:
                 b.put(
                     Row(
@@ -244,8 +245,11 @@ class CacheStore:
                 )
         if fits:
             report.adopted += 1
+            return
+        tier.delete(location)
+        if duplicate:
+            report.duplicates_removed += 1
         else:
-            tier.delete(location)
             report.over_quota_removed += 1
 
     # ---- saves --------------------------------------------------------------------------------
@@ -273,13 +277,13 @@ class CacheStore:
             ckpt = replace(ckpt, prefixes=prefixes)
         size = encoded_size(ckpt)
         key = ckpt.key
-        if size > self._tiers[tier].quota:
-            self.counters.count("saves_dropped")
-            return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
         with self._plock:
             if key in self._pending or index.get(key) is not None:
                 self.counters.count("saves_duplicate")
                 return SaveOutcome("duplicate", key, tier)
+            if size > self._tiers[tier].quota:
+                self.counters.count("saves_dropped")
+                return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
             try:
                 assert self._pool is not None
                 fut = self._pool.submit(lambda: self._publish(ckpt, tier, size), urgent=sync)

@@ -203,7 +203,9 @@ class FileTier(Tier):
             raise PermissionError(f"tier {name}: {self.root} is owned by uid {st.st_uid}, not us")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(self.root, 0o700)
-        self.used = sum(self.scan().values())
+        # Sizes of the files we know, so a file removed behind our back still frees its quota.
+        self._sizes = self.scan()
+        self.used = sum(self._sizes.values())
         self._lock_fd: int | None = None
 
     def lock(self) -> None:
@@ -247,7 +249,6 @@ class FileTier(Tier):
                 os.close(fd)
             if not claim_ok():
                 return None
-            replaced = self.size(str(final)) or 0
             os.replace(tmp, final)
             moved = True
             _fsync_dir(self.root)
@@ -258,8 +259,10 @@ class FileTier(Tier):
             if not published:
                 (final if moved else tmp).unlink(missing_ok=True)
                 self._free_bytes(n)
-        if replaced:
-            self._free_bytes(replaced)
+        with self._lock:
+            replaced = self._sizes.get(str(final), 0)
+            self._sizes[str(final)] = n
+            self.used -= replaced
         return str(final)
 
     def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
@@ -284,12 +287,9 @@ class FileTier(Tier):
     def delete(self, location: str) -> None:
         """Unlink the file (the index has already committed its removal)."""
         path = self._check_location(location)
-        try:
-            n = path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            return
-        self._free_bytes(n)
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self.used -= self._sizes.pop(location, 0)
 
     def size(self, location: str) -> int | None:
         try:

@@ -1,0 +1,168 @@
+"""The checkpoint format: round trip, tamper detection (every single bit), zero-copy decode."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from barreld.cache import (
+    SAVE_REASONS,
+    Checkpoint,
+    CorruptCheckpoint,
+    KeyScheme,
+    decode,
+    encode_parts,
+    encoded_size,
+)
+
+from .conftest import SCHEME
+
+
+def encode(ckpt: Checkpoint) -> bytearray:
+    return bytearray(b"".join(bytes(p) for p in encode_parts(ckpt)))
+
+
+def small_ckpt() -> Checkpoint:
+    return Checkpoint(
+        key=SCHEME.key(b"hi"),
+        model="m",
+        fingerprint=SCHEME.fingerprint,
+        quant="Q4_1",
+        ctx_params=SCHEME.ctx_params,
+        rendered=b"hi",
+        tokens=[1, 2],
+        save_reason="finish",
+        created=1700000000.25,
+        state=bytes(range(100)),
+        logits=b"\0\0\x80?",
+        prefixes=((SCHEME.key(b"h"), 1),),
+    )
+
+
+def test_format_is_pinned() -> None:
+    data = encode(small_ckpt())
+    assert len(data) == encoded_size(small_ckpt()) == 660
+    golden = "c48df916d4ae30f428529946e0c65914e1262217ad127822c44403f81e9a794a"
+    assert hashlib.sha256(data).hexdigest() == golden
+
+
+def test_every_single_bit_flip_is_detected() -> None:
+    """Exhaustive over a whole file: header, metadata, tokens, prompt, state, logits, trailer."""
+    data = encode(small_ckpt())
+    for bit in range(len(data) * 8):
+        data[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(CorruptCheckpoint):
+            decode(data)
+        data[bit // 8] ^= 1 << (bit % 8)
+    decode(data)
+
+
+def test_truncation_and_extension_are_detected() -> None:
+    data = encode(small_ckpt())
+    for cut in (0, 1, 63, 80, len(data) // 2, len(data) - 16, len(data) - 1):
+        with pytest.raises(CorruptCheckpoint):
+            decode(data[:cut])
+    with pytest.raises(CorruptCheckpoint):
+        decode(data + b"\0")
+
+
+def test_decode_is_zero_copy_for_state_and_logits() -> None:
+    data = encode(small_ckpt())
+    ckpt = decode(data)
+    assert isinstance(ckpt.state, memoryview) and isinstance(ckpt.logits, memoryview)
+    assert ckpt.state.obj is data and ckpt.logits.obj is data
+    assert bytes(ckpt.state) == bytes(range(100))
+    assert ckpt.logits.cast("f").tolist() == [1.0]
+
+
+def test_state_is_64_byte_aligned_in_the_file() -> None:
+    data = encode(small_ckpt())
+    offset = data.find(bytes(range(100)))
+    assert offset % 64 == 0
+
+
+def test_key_is_recomputed_from_contents() -> None:
+    ckpt = small_ckpt()
+    ckpt.check_key()
+    ckpt.key = SCHEME.key(b"other")
+    with pytest.raises(CorruptCheckpoint):
+        ckpt.check_key()
+    # A valid file (good checksum) whose claimed key does not match its prompt is caught too.
+    with pytest.raises(CorruptCheckpoint):
+        decode(encode(ckpt)).check_key()
+
+
+def test_bad_inputs_are_refused_before_writing() -> None:
+    with pytest.raises(ValueError):
+        encoded_size(Checkpoint(**{**small_ckpt().__dict__, "save_reason": "whim"}))
+    with pytest.raises(ValueError):
+        encoded_size(Checkpoint(**{**small_ckpt().__dict__, "logits": b"\0\0\0"}))
+    with pytest.raises(ValueError):
+        encoded_size(Checkpoint(**{**small_ckpt().__dict__, "key": b"short"}))
+
+
+int32 = st.integers(-(2**31), 2**31 - 1)
+checkpoints = st.builds(
+    lambda fp, quant, ctx, rendered, tokens, reason, created, state, logits, prefixes, model: Checkpoint(
+        key=KeyScheme(fp, quant, ctx).key(rendered),
+        model=model,
+        fingerprint=fp,
+        quant=quant,
+        ctx_params=ctx,
+        rendered=rendered,
+        tokens=array("i", tokens),
+        save_reason=reason,
+        created=created,
+        state=state,
+        logits=logits,
+        prefixes=tuple(prefixes),
+    ),
+    fp=st.binary(min_size=32, max_size=32),
+    quant=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=16),
+    ctx=st.binary(max_size=40),
+    rendered=st.binary(max_size=300),
+    tokens=st.lists(int32, max_size=200),
+    reason=st.sampled_from(SAVE_REASONS),
+    created=st.floats(min_value=0, max_value=4e9, allow_nan=False),
+    state=st.binary(max_size=3000),
+    logits=st.none()
+    | st.lists(st.floats(width=32, allow_nan=False), max_size=64).map(lambda xs: array("f", xs).tobytes()),
+    prefixes=st.lists(st.tuples(st.binary(min_size=32, max_size=32), st.integers(1, 2**31)), max_size=4),
+    model=st.text(max_size=40),
+)
+
+
+@given(checkpoints)
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+def test_round_trip(ckpt: Checkpoint) -> None:
+    data = encode(ckpt)
+    assert len(data) == encoded_size(ckpt)
+    out = decode(data)
+    out.check_key()
+    assert out.key == ckpt.key
+    assert (out.model, out.fingerprint, out.quant, out.ctx_params) == (
+        ckpt.model,
+        ckpt.fingerprint,
+        ckpt.quant,
+        ckpt.ctx_params,
+    )
+    assert out.rendered == ckpt.rendered
+    assert out.tokens == ckpt.tokens
+    assert (out.save_reason, out.created) == (ckpt.save_reason, ckpt.created)
+    assert bytes(out.state) == bytes(ckpt.state)
+    assert (None if out.logits is None else bytes(out.logits)) == ckpt.logits
+    assert list(out.prefixes) == list(ckpt.prefixes)
+
+
+@given(checkpoints, st.data())
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+def test_any_single_flipped_bit_is_detected(ckpt: Checkpoint, data: st.DataObject) -> None:
+    raw = encode(ckpt)
+    bit = data.draw(st.integers(0, len(raw) * 8 - 1), label="bit")
+    raw[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptCheckpoint):
+        decode(raw)
