@@ -118,7 +118,7 @@ class ModelWorker:
             log.exception("worker for %s crashed", self.name)
             with self._cond:
                 for req in [*self._waiting, *self._active]:
-                    req.events.put(Failed(Unavailable(f"model {self.name} failed; see the daemon log")))
+                    req.events.put(Failed(BarrelError(f"model {self.name} failed; see the daemon log")))
                 self._waiting.clear()
                 self._active.clear()
                 self._stopping = True
@@ -292,27 +292,28 @@ class ModelWorker:
             for req in list(self._active):
                 self._fail(req, BarrelError(f"llama.cpp decode failed: {exc}"))
             return
+        # Copy every logits row now: finishing a request decodes its last token, which overwrites them.
+        logits = {idx: be.logits(idx) for _, idx in (*prefills, *samplers)}
         for req, idx in prefills:
             seq = self.seqs[req.seq]
             start = len(seq.tokens)
             for t in req.target[start : items[idx].pos + 1]:
                 seq.append(t, be.piece(t))
-            logits = be.logits(idx)
             if req.cold_at is not None and len(seq.tokens) == req.cold_at:
-                seq.logits = logits
+                seq.logits = logits[idx]
                 self.cache.save_async(seq, "cold")
                 req.cold_at = None
             if len(seq.tokens) == len(req.target):
                 req.timings.prefill = time.perf_counter() - req.prefill_started
-                self._take(req, logits)
+                self._take(req, logits[idx])
         for req, idx in samplers:
             seq = self.seqs[req.seq]
             seq.append(req.pending, be.piece(req.pending))
             req.pending = None
             if self.cache.continued_due(req.generated):
-                seq.logits = be.logits(idx)
+                seq.logits = logits[idx]
                 self.cache.save_async(seq, "continued")
-            self._take(req, be.logits(idx))
+            self._take(req, logits[idx])
 
     def _sample_stored(self) -> None:
         """Requests whose whole prompt was restored with its last logits sample without a decode."""

@@ -127,6 +127,10 @@ class PressureScheduler:
             except Exception as e:
                 self._error(at, f"evicting {wanted} bytes from {', '.join(self._tiers)} failed: {e}")
                 return
+            if evicted == 0:
+                # Nothing evictable is left in these tiers: keep the last real eviction on show.
+                log.debug("memory pressure %.3f: nothing left to evict in %s", used / total, ",".join(self._tiers))
+                return
             log.info(
                 "memory pressure %.3f >= %.3f: asked for %d bytes from %s, evicted %d rows, freed %d bytes",
                 used / total,
