@@ -165,9 +165,10 @@ class ModelCache:
         b = self.policy.cold_save_length(n_tokens)
         return b if b is not None and b > kept else None
 
-    def chunk_size(self, n_batch: int) -> int:
+    def chunk_size(self, n_batch: int) -> int | None:
+        """Per-tick prefill cap; None (prefill_chunk_size = infinity) lets a prefill run to its end."""
         size = self.policy.chunk_size(n_batch)
-        return n_batch if size is None else min(size, n_batch)
+        return None if size is None else min(size, n_batch)
 
     def continued_due(self, generated: int) -> bool:
         interval = self.policy.continued_interval

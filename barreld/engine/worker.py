@@ -113,6 +113,8 @@ class ModelWorker:
                 self._admit()
                 if self._active:
                     self._tick()
+                    while self.cache.chunk_size(self.backend.n_batch) is None and self._prefilling():
+                        self._tick(prefill_only=True)  # no per-tick cap: the prefill runs to its end
             self._shutdown_saved = self.cache.save_all(self.seqs, "shutdown")
         except Exception:
             log.exception("worker for %s crashed", self.name)
@@ -256,7 +258,10 @@ class ModelWorker:
             seq.truncate(new_kept)
         return new_kept
 
-    def _tick(self) -> None:
+    def _prefilling(self) -> bool:
+        return any(r.pending is None and len(self.seqs[r.seq].tokens) < len(r.target) for r in self._active)
+
+    def _tick(self, prefill_only: bool = False) -> None:
         be = self.backend
         items: list[BatchItem] = []
         samplers: list[tuple[Request, int]] = []
@@ -266,10 +271,10 @@ class ModelWorker:
             if req.cancelled.is_set():
                 self._finish(req, "cancelled")
                 continue
-            if req.pending is not None:
+            if req.pending is not None and not prefill_only:
                 samplers.append((req, len(items)))
                 items.append(BatchItem(req.pending, len(seq.tokens), seq.id, True))
-        cap = self.cache.chunk_size(be.n_batch)
+        cap = self.cache.chunk_size(be.n_batch) or be.n_batch
         for req in self._active:
             seq = self.seqs[req.seq]
             pos = len(seq.tokens)
