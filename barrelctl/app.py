@@ -69,7 +69,7 @@ def main() -> None:
         hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
         print(f"barrelctl: {exc.format_message()}{hint}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    except click_exc.Abort:
+    except typer.Abort:
         print("barrelctl: interrupted", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from barrelctl.client import Client
 
@@ -17,6 +20,9 @@ class Options:
 
 
 options = Options()
+
+# Every command takes --json too, so it works after the command as well as before it.
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
 
 
 def client() -> Client:

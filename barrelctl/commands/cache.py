@@ -9,11 +9,11 @@ import typer
 from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
+from barrelctl.state import JsonOpt
 from barreld.sizes import parse_size
 
 app = typer.Typer(help="Inspect the KV cache and free space.", no_args_is_help=True)
 TIERS = ("ram", "ram_file", "disk")
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
 
 
 def _tier(value: str | None) -> str:
@@ -23,21 +23,10 @@ def _tier(value: str | None) -> str:
 
 
 def row_json(r) -> dict:
-    return {
-        "key": r.key,
-        "model": r.model,
-        "tier": r.tier,
-        "size": r.size,
-        "tokens": r.tokens,
-        "text_bytes": r.text_bytes,
-        "save_reason": r.save_reason,
-        "status": r.status,
-        "refcount": r.refcount,
-        "hits": r.hits,
-        "last_used": r.last_used,
-        "created": r.created,
-        "location": r.location or None,
-    }
+    """The contract's dump row: the proto's fields in order, with an empty location as null."""
+    row = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}
+    row["location"] = row["location"] or None
+    return row
 
 
 @app.command("dump")

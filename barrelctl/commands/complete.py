@@ -10,8 +10,7 @@ import typer
 from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the contract's JSON object instead of streaming.")]
+from barrelctl.state import JsonOpt
 
 
 def _read_prompt(prompt: str | None) -> bytes:

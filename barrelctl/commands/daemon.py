@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
 
 import psutil
 import typer
@@ -11,9 +10,9 @@ import typer
 from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_UNREACHABLE, CliError
+from barrelctl.state import JsonOpt
 
 app = typer.Typer(help="Is barreld up; stop it cleanly.", no_args_is_help=True)
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
 
 
 def _status(timeout: float):

@@ -10,9 +10,9 @@ import typer
 from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
+from barrelctl.state import JsonOpt
 
 TIERS = ("ram", "ram_file", "disk")
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
 
 
 def model_json(m) -> dict:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
 
 import typer
 
 from barrelctl import render, state
 from barrelctl.client import rpc_errors
+from barrelctl.state import JsonOpt
 
 app = typer.Typer(help="The memory-pressure scheduler.", no_args_is_help=True)
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine output: one JSON document on stdout.")]
 
 
 def _ratio(sample: dict | None) -> str:
