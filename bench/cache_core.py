@@ -39,7 +39,7 @@ from barreld.cache import (  # noqa: E402
     encoded_size,
 )
 
-SCHEME = KeyScheme(b"\x07" * 32, "Q4_1", CtxParams(4096, 1, 1, False, 10000.0, 1.0, True, False).encode())
+SCHEME = KeyScheme(b"\x07" * 32, "Q4_1", CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False).encode())
 N_TOKENS = 1500
 N_VOCAB = 49152
 

@@ -167,27 +167,32 @@ def gguf_chunked_digest(path: Path) -> bytes:
         return h.digest()
 
 
-_CTX_LAYOUT_VERSION = 1
+_CTX_LAYOUT_VERSION = 2
 _CTX_STRUCT = struct.Struct("<BIIIBBBdd")
 
 
 @dataclass(frozen=True)
 class CtxParams:
-    """The context parameters that change the bytes or layout of a sequence's KV state.
+    """The context parameters that change the bytes or layout of a sequence's KV state, and no others.
 
-    n_ctx: the cache size the state's cell positions were laid out in; keyed conservatively so a state is
-      only restored into a context of the size it was made for.
+    Measured with the bundled model (tests/test_ctx_params.py): the same prompt's state is byte-identical
+    across n_batch, n_threads and n_ctx, and differs with the K type, flash attention and the number of
+    KV streams; llama.cpp refuses a state whose stream count differs from the context's.
+
+    kv_streams: one KV stream per sequence (n_seq_max, when the cache is not unified), else 1: the
+      state header records it and a restore into another stream count is refused.
     type_k, type_v: ggml type ids of the K and V caches (f16, q8_0, ...): the element encoding.
-    flash_attn: with flash attention V is stored untransposed; the state's V layout differs.
+    flash_attn: with flash attention V is stored untransposed; the state's V bytes differ.
     rope_freq_base, rope_freq_scale: RoPE is applied to K before it is cached, so they change K's values.
     kv_unified: one unified cell buffer versus one stream per sequence: a different state layout.
     swa_full: whether sliding-window layers keep every cell or only the window: different cells saved.
 
-    Deliberately NOT included, because they change how work is scheduled but not what a prompt's KV
-    state means or how it is laid out: n_batch, n_ubatch, n_threads, n_seq_max, and the sampling seed.
+    Deliberately NOT included, because they change how work is scheduled or how much fits, not the
+    bytes of a prompt's state: n_ctx, n_batch, n_ubatch, n_threads, and the sampling seed. (A state too
+    large for a smaller context is refused by llama.cpp at restore, and the request prefills instead.)
     """
 
-    n_ctx: int
+    kv_streams: int
     type_k: int
     type_v: int
     flash_attn: bool
@@ -197,12 +202,12 @@ class CtxParams:
     swa_full: bool
 
     def encode(self) -> bytes:
-        """32 bytes, little-endian: u8 layout version (1), u32 n_ctx, u32 type_k, u32 type_v,
+        """32 bytes, little-endian: u8 layout version (2), u32 kv_streams, u32 type_k, u32 type_v,
         u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale."""
         try:
             return _CTX_STRUCT.pack(
                 _CTX_LAYOUT_VERSION,
-                self.n_ctx,
+                self.kv_streams,
                 self.type_k,
                 self.type_v,
                 bool(self.flash_attn),

@@ -124,7 +124,7 @@ class ModelRegistry:
                 raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
             quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
             ctx = CtxParams(
-                n_ctx=settings.n_ctx,
+                kv_streams=settings.n_seq_max,
                 type_k=settings.type_k,
                 type_v=settings.type_v,
                 flash_attn=settings.flash_attn,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from barreld.cache import TIER_NAMES, CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig
 
-SCHEME = KeyScheme(b"\x42" * 32, "Q8_0", CtxParams(2048, 1, 1, True, 10000.0, 1.0, True, False).encode())
+SCHEME = KeyScheme(b"\x42" * 32, "Q8_0", CtxParams(1, 1, 1, True, 10000.0, 1.0, True, False).encode())
 DISK_QUOTA = 1 << 20
 RAM_FILE_QUOTA = 48 << 10
 DISK_SAVES_PER_LIFE = 60  # at most ~210 KB: a life never fills the disk tier the parent keeps under 40%

@@ -15,7 +15,7 @@ from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConf
 SCHEME = KeyScheme(
     fingerprint=bytes(range(32)),
     quant="Q4_1",
-    ctx_params=CtxParams(4096, 1, 1, False, 10000.0, 1.0, True, False).encode(),
+    ctx_params=CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False).encode(),
 )
 
 

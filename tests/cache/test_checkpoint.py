@@ -46,7 +46,7 @@ def small_ckpt() -> Checkpoint:
 def test_format_is_pinned() -> None:
     data = encode(small_ckpt())
     assert len(data) == encoded_size(small_ckpt()) == 660
-    golden = "c48df916d4ae30f428529946e0c65914e1262217ad127822c44403f81e9a794a"
+    golden = "e3ac4b613bf9f642de7d000de5d667aadf47f61fc89db87d64bd4f7dc896fe59"
     assert hashlib.sha256(data).hexdigest() == golden
 
 

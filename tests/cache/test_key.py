@@ -12,21 +12,21 @@ import pytest
 
 from barreld.cache import CtxParams, KeyScheme, fingerprint_gguf
 
-CTX = CtxParams(4096, 1, 1, False, 10000.0, 1.0, True, False)
+CTX = CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False)
 SCHEME = KeyScheme(bytes(range(32)), "Q4_1", CTX.encode())
 
 # Computed once from the layout below; a change to the key scheme must fail here.
-GOLDEN_CTX = "01001000000100000001000000000100000000000088c340000000000000f03f"
+GOLDEN_CTX = "02010000000100000001000000000100000000000088c340000000000000f03f"
 GOLDEN_KEYS = {
-    b"": "f7605cc57bb5d3931c83bdd48c23a2881e2e5a70ed6e4158c1a22600a5fa5549",
-    b"Hello, world": "1aa2c6d515b38c6084ec45d52bc6708002177c3dd7d24ca71384978ed382aad9",
-    "héllo <|im_start|>".encode(): "5ae50ecc38a072862a79c566a160bbcaf1191a427b4d3e31a3fa86ef5034f56c",
+    b"": "08eb8b77ff3fcc3233a46d1e324e87e4b388913feaca0eda7afc47003ce3156f",
+    b"Hello, world": "922e44b5ab9bfaf43ff81142e9df8833553079a875847b3ddc07487a0d4bdb39",
+    "héllo <|im_start|>".encode(): "d66a6d3edd54fb0b31def9dbaa4a8d325b68bef8afb1cf35a4c0bfee47217571",
 }
 
 
 def test_ctx_params_golden_encoding() -> None:
     assert CTX.encode().hex() == GOLDEN_CTX
-    assert len(CTX.encode()) == 32 and CTX.encode()[0] == 1  # layout version byte
+    assert len(CTX.encode()) == 32 and CTX.encode()[0] == 2  # layout version byte
 
 
 @pytest.mark.parametrize("rendered", list(GOLDEN_KEYS))
@@ -68,7 +68,7 @@ def test_key_scheme_rejects_bad_fields(kwargs: dict) -> None:
 
 
 CHANGES = {
-    "n_ctx": 8192,
+    "kv_streams": 4,
     "type_k": 8,
     "type_v": 8,
     "flash_attn": True,
@@ -89,12 +89,12 @@ def test_every_kv_relevant_parameter_changes_the_key(field: str) -> None:
 def test_scheduling_parameters_are_not_part_of_the_key() -> None:
     fields = {f.name for f in dataclasses.fields(CtxParams)}
     assert fields == set(CHANGES)
-    assert not fields & {"n_batch", "n_ubatch", "n_threads", "n_seq_max", "seed"}
+    assert not fields & {"n_batch", "n_ubatch", "n_threads", "n_ctx", "n_seq_max", "seed"}
 
 
 def test_ctx_params_out_of_range() -> None:
     with pytest.raises(ValueError):
-        dataclasses.replace(CTX, n_ctx=-1).encode()
+        dataclasses.replace(CTX, kv_streams=-1).encode()
 
 
 # ---- fingerprints ----------------------------------------------------------------------------
