@@ -10,7 +10,8 @@ from collections.abc import Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-out = Console(highlight=False, soft_wrap=True)
+# A terminal sets the width; piped output is not wrapped by anyone, so give tables room there.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 
@@ -34,10 +35,10 @@ def ago(ts: float, now: float | None = None) -> str:
     d = (now or time.time()) - ts
     if d < 0:
         return "just now"
-    for limit, div, unit in ((60, 1, "s"), (3600, 60, "min"), (86400, 3600, "h")):
+    for limit, div, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
         if d < limit:
-            return f"{d / div:.0f} {unit} ago"
-    return f"{d / 86400:.1f} d ago"
+            return f"{d / div:.0f}{unit} ago"
+    return f"{d / 86400:.1f}d ago"
 
 
 def duration(seconds: float) -> str:
@@ -53,7 +54,7 @@ def table(
     t = Table(title=title, title_justify="left", header_style="bold")
     right = set(right)
     for c in columns:
-        t.add_column(c, justify="right" if c in right else "left", overflow="fold")
+        t.add_column(c, justify="right" if c in right else "left", no_wrap=True, overflow="ellipsis")
     for r in rows:
         t.add_row(*(str(x) for x in r))
     out.print(t)

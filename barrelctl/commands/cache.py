@@ -46,21 +46,19 @@ def cache_dump(
         render.print_json({"rows": rows})
         return
     render.table(
-        f"{len(rows)} rows",
-        ("key", "model", "tier", "size", "tokens", "reason", "status", "refs", "hits", "last used", "created"),
+        f"{len(rows)} rows ({render.size(sum(r['size'] for r in rows))})",
+        ("key", "model", "tier", "size", "tokens", "reason", "refs", "hits", "last used"),
         (
             (
-                r["key"][:16],
+                r["key"][:12],
                 r["model"],
                 r["tier"],
                 render.size(r["size"]),
                 r["tokens"],
-                r["save_reason"],
-                r["status"],
+                r["save_reason"] + ("" if r["status"] == "available" else f" ({r['status']})"),
                 r["refcount"],
                 r["hits"],
                 render.ago(r["last_used"]),
-                render.ago(r["created"]),
             )
             for r in rows
         ),
