@@ -452,6 +452,9 @@ def test_unit_runs_barreld_as_the_contract_says() -> None:
     assert s["Service.PrivateTmp"] == "yes" and s["Service.NoNewPrivileges"] == "yes"
     # /dev/shm (the ram_file tier) stays writable: no private /dev, nothing making it read-only or hidden.
     assert s.get("Service.PrivateDevices", "no") == "no"
+    # GPUs stay reachable: any DeviceAllow= (ProtectClock=yes implies one) closes every other device node.
+    assert not {"Service.DeviceAllow", "Service.DevicePolicy"} & set(s)
+    assert s.get("Service.ProtectClock", "no") == "no"
     assert "/dev/shm" in s.get("Service.ReadWritePaths", "")
     for key in ("ReadOnlyPaths", "InaccessiblePaths", "TemporaryFileSystem"):
         assert "/dev" not in s.get(f"Service.{key}", "")
