@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import Run, World, make_world
 from tests.test_cache_paths import POLICY, doc
 
-pytestmark = pytest.mark.model
+needs_model = pytest.mark.model   # the rest run barreld without loading a model
 
 TIERS = ("ram", "ram_file", "disk")
 MODEL_TIER = {"d": "disk", "f": "ram_file", "r": "ram"}
@@ -114,6 +114,7 @@ def ops():
 # ---- dump and stats -------------------------------------------------------------------------------
 
 
+@needs_model
 def test_dump_json_lists_every_row_with_every_contract_field(ops: World) -> None:
     rows = dump(ops)
     assert {r["key"] for r in rows} >= set(ops.finish_keys)
@@ -139,6 +140,7 @@ def test_dump_json_lists_every_row_with_every_contract_field(ops: World) -> None
     assert last_used == sorted(last_used, reverse=True)   # most recently used first
 
 
+@needs_model
 def test_dump_filters_by_model_and_tier(ops: World) -> None:
     rows = dump(ops)
     assert dump(ops, "--model", "f") == [r for r in rows if r["model"] == "f"] != []
@@ -147,6 +149,7 @@ def test_dump_filters_by_model_and_tier(ops: World) -> None:
     assert dump(ops, "--model", "d", "--tier", "ram") == []
 
 
+@needs_model
 def test_dump_human_table(ops: World) -> None:
     rows = dump(ops)
     wide = ok(ops.ctl("cache", "dump", COLUMNS="200")).out
@@ -160,6 +163,7 @@ def test_dump_human_table(ops: World) -> None:
     assert max(len(line) for line in narrow.splitlines()) <= 80
 
 
+@needs_model
 def test_stats_counts_and_per_tier_bytes_against_quota(ops: World) -> None:
     rows = dump(ops)
     doc_ = ok(ops.ctl("--json", "cache", "stats")).json()
@@ -184,6 +188,7 @@ def test_stats_counts_and_per_tier_bytes_against_quota(ops: World) -> None:
 # ---- verify, evict-bytes, gc ----------------------------------------------------------------------
 
 
+@needs_model
 def test_verify_reports_and_drops_a_corrupted_file(ops: World) -> None:
     clean = ok(ops.ctl("--json", "cache", "verify")).json()
     rows = dump(ops)
@@ -206,6 +211,7 @@ def test_verify_reports_and_drops_a_corrupted_file(ops: World) -> None:
     assert ok(ops.ctl("--json", "cache", "verify")).json() == {"checked": len(after), "bad": []}
 
 
+@needs_model
 def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: World) -> None:
     before = dump(ops)
     disk = [r for r in before if r["tier"] == "disk" and r["refcount"] == 0]
@@ -222,6 +228,7 @@ def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: World) 
             assert Path(r["location"]).is_file()
 
 
+@needs_model
 def test_evict_bytes_256m_frees_what_it_says_across_tiers(ops: World) -> None:
     before = dump(ops)
     total = sum(r["size"] for r in before)
@@ -242,6 +249,7 @@ def test_evict_bytes_256m_frees_what_it_says_across_tiers(ops: World) -> None:
     assert "evicted" in human and "freed" in human
 
 
+@needs_model
 def test_gc_evicts_every_unreferenced_row(ops: World) -> None:
     before = settle(ops, [complete(ops, "f", 5)["key"]])
     unreferenced = [r for r in before if r["refcount"] == 0]
