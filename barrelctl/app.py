@@ -58,7 +58,7 @@ app.add_typer(daemon.app, name="daemon")
 def main() -> None:
     """Runs the CLI: expected errors become one stderr line and the contract's exit code."""
     try:
-        rv = app(standalone_mode=False)
+        rv = app(standalone_mode=False, prog_name="barrelctl")
     except CliError as exc:
         print(f"barrelctl: {exc}", file=sys.stderr)
         sys.exit(exc.code)

@@ -349,7 +349,8 @@ class _Reader:
             )
             self.fail(key, f"{directory} {what}")
         if not os.access(probe, os.R_OK | os.W_OK | os.X_OK):
-            what = "is not writable" if probe == directory else f"cannot be created: {probe} is not writable"
+            access = "readable, writable and searchable"
+            what = f"is not {access}" if probe == directory else f"cannot be created: {probe} is not {access}"
             self.fail(key, f"{directory} {what}")
 
 

@@ -322,7 +322,7 @@ BAD_CONFIGS = [
     ("unknown-tier-table", '[tiers.floppy]\nquota = "1G"\n', "tiers.floppy", "unknown key"),
     ("unknown-evict-tier", '[scheduler]\nevict_tiers = ["ram", "floppy"]\n', "scheduler.evict_tiers", "floppy"),
     ("unknown-model-tier", '[[models]]\nname = "smollm2"\ntier = "floppy"\n', "models[0].tier", "floppy"),
-    ("unreadable-root", "[tiers.disk]\nroot = '{locked}'\n", "tiers.disk.root", "not writable"),
+    ("unreadable-root", "[tiers.disk]\nroot = '{locked}'\n", "tiers.disk.root", "not readable, writable"),
     ("root-is-a-file", "[tiers.disk]\nroot = '{afile}'\n", "tiers.disk.root", "not a directory"),
     ("toml-syntax", "[policy\nmin_tokens = 1\n", "line 1, column 8", "TOML syntax error"),
 ]

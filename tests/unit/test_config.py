@@ -327,10 +327,10 @@ def test_unwritable_root_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         real_access = os.access
         monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
     try:
-        with pytest.raises(ConfigError, match=r"tiers\.disk\.root: .*locked is not writable"):
+        with pytest.raises(ConfigError, match=r"tiers\.disk\.root: .*locked is not readable, writable and searchable"):
             load(tmp_path, "[tiers.disk]\nroot = '{tmp}/locked'")
         with pytest.raises(
-            ConfigError, match=r"tiers\.disk\.root: .*cannot be created: .*locked is not writable"
+            ConfigError, match=r"tiers\.disk\.root: .*cannot be created: .*locked is not readable, writable"
         ):
             load(tmp_path, "[tiers.disk]\nroot = '{tmp}/locked/kvc'")
     finally:
