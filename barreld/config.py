@@ -6,6 +6,7 @@ file are relative to the file's directory; `~` is expanded.
 """
 
 import dataclasses
+import grp
 import os
 import re
 import tomllib
@@ -83,6 +84,7 @@ class Config:
     socket: Path | None  # None: the contract's default socket path
     writers: int | None  # None: the writer pool's own default
     max_queue: int | None  # None: the worker's own default; requests waiting per model beyond n_seq_max
+    socket_group: str | None  # a group whose members may connect too (socket 0660), else owner only
     tiers: Mapping[str, TierConfig]
     policy: Policy
     scheduler: SchedulerConfig
@@ -142,7 +144,7 @@ class _Reader:
 
     def config(self, path: Path | None, data: dict[str, Any], data_dir: Path | None) -> Config:
         self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models"))
-        daemon = self.table(data, "daemon", ("socket", "data_dir", "writers", "max_queue"))
+        daemon = self.table(data, "daemon", ("socket", "data_dir", "writers", "max_queue", "socket_group"))
         if data_dir is not None:
             data_dir, data_dir_key = data_dir.expanduser().absolute(), "data_dir"
         elif "data_dir" in daemon:
@@ -153,11 +155,18 @@ class _Reader:
         socket = self.path(daemon["socket"], "daemon.socket") if "socket" in daemon else None
         writers = self.integer(daemon["writers"], "daemon.writers", 1) if "writers" in daemon else None
         max_queue = self.integer(daemon["max_queue"], "daemon.max_queue", 0) if "max_queue" in daemon else None
+        socket_group = None
+        if "socket_group" in daemon:
+            socket_group = self.string(daemon["socket_group"], "daemon.socket_group")
+            try:
+                grp.getgrnam(socket_group)
+            except KeyError:
+                self.fail("daemon.socket_group", f"no such group {socket_group!r}")
         tiers = self.tiers(data, data_dir)
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
-        return Config(path, data_dir, socket, writers, max_queue, tiers, policy, scheduler, models)
+        return Config(path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models)
 
     def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
         tables = self.table(data, "tiers", TIER_NAMES)

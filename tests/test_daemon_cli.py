@@ -177,3 +177,18 @@ def test_daemon_stop_command(world: World) -> None:
     assert r.rc == 0, r.err
     assert world.daemon_pids() == []
     assert not world.socket.exists()
+
+
+def test_socket_group_opens_the_socket_to_that_group(world: World) -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    world.write_config(f'[daemon]\nsocket_group = "{group}"\n')
+    world.start_daemon()
+    st = world.socket.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
+    assert stat.S_IMODE(world.socket.parent.stat().st_mode) == 0o750
+    world.write_config('[daemon]\nsocket_group = "no-such-group-here"\n')
+    p = subprocess.run([sys.executable, "-m", "barreld", "--socket", str(world.base / "x.sock")], env=world.env(),
+                       capture_output=True, timeout=60)
+    assert p.returncode == 1 and "daemon.socket_group" in p.stderr.decode()

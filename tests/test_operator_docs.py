@@ -246,7 +246,7 @@ def test_every_config_key_is_in_barreld_8(tmp_path: Path) -> None:
     top = _allowed_keys(tmp_path, "bogus = 1\n")
     tiers = _allowed_keys(tmp_path, "[tiers.bogus]\n")
     assert set(top) == {"daemon", "tiers", "policy", "scheduler", "models"}
-    assert {"socket", "data_dir", "writers", "max_queue"} == set(tables["daemon"])
+    assert {"socket", "data_dir", "writers", "max_queue", "socket_group"} == set(tables["daemon"])
     heading = {"daemon": "[daemon]", "policy": "[policy]", "scheduler": "[scheduler]", "models": "[[models]]"}
     missing = []
     for table, keys in tables.items():

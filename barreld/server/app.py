@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import logging
 import threading
 from pathlib import Path
@@ -47,7 +48,8 @@ class Daemon:
             scheduler_status=self._scheduler_status,
             request_shutdown=self.signal.request,
         )
-        self.server = GrpcServer(self.servicer, self.socket)
+        group = grp.getgrnam(self.config.socket_group).gr_gid if self.config.socket_group else None
+        self.server = GrpcServer(self.servicer, self.socket, group=group)
         self.server.start()
         self._load_configured_models()
         notify_systemd("READY=1")
@@ -112,6 +114,7 @@ class Daemon:
     def shutdown(self) -> None:
         """Stop accepting, cancel in-flight work, run shutdown saves, flush writers, close LMDB."""
         log.info("shutting down")
+        notify_systemd("STOPPING=1")
         self.servicer.stopping = True
         self.server.stop_accepting()
         stopper = threading.Thread(target=self.server.stop, args=(5.0,), daemon=True)

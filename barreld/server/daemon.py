@@ -82,8 +82,11 @@ def prepare_socket(path: Path, group: int | None = None) -> None:
     st = parent.stat()
     if st.st_uid != os.getuid():
         raise StartupError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us; choose another --socket")
-    if st.st_mode & 0o022:
-        os.chmod(parent, 0o750 if group is not None else 0o700)
+    if group is not None:
+        os.chown(parent, -1, group)
+        os.chmod(parent, 0o750)
+    elif st.st_mode & 0o077:
+        os.chmod(parent, 0o700)
     if path.exists() or path.is_symlink():
         if socket_answers(path):
             raise StartupError(f"another barreld already answers on {path}; stop it or pass another --socket")
