@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from barreld.cache.policy import Policy
-from barreld.engine.plan import common_prefix_len, tokens_within
+from barreld.engine.plan import MIN_CHUNK, common_prefix_len, tokens_within
 from barreld.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # sync evict and shutdown saves that recover such lost states can be exercised.
 DROP_ASYNC_ENV = "BARREL_TEST_DROP_ASYNC_SAVES"
 
-PATHS = ("live", "exact", "resume", "longest_prefix")
+LIVE_MIN_TOKENS = 32
 
 
 class KeyFunction(Protocol):
@@ -84,7 +84,8 @@ class ModelCache:
         best = Found()
         for seq in idle:
             n = tokens_within(seq.offsets, common_prefix_len(seq.rendered, rendered))
-            if n > best.tokens:
+            # A few shared tokens (a common header) are not worth a live sequence's state.
+            if n > best.tokens and n >= min(LIVE_MIN_TOKENS, max(2, len(tokens) // 2)):
                 best = Found("live", n, seq=seq)
         if self.store is None or best.tokens == len(tokens):
             return best
@@ -168,7 +169,7 @@ class ModelCache:
     def chunk_size(self, n_batch: int) -> int | None:
         """Per-tick prefill cap; None (prefill_chunk_size = infinity) lets a prefill run to its end."""
         size = self.policy.chunk_size(n_batch)
-        return None if size is None else min(size, n_batch)
+        return None if size is None else max(MIN_CHUNK, min(size, n_batch))
 
     def continued_due(self, generated: int) -> bool:
         interval = self.policy.continued_interval

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+MIN_CHUNK = 3
+
 
 def next_chunk(pos: int, end: int, cap: int) -> int:
     """Size of the next prefill chunk from pos towards end (exclusive), at most cap tokens.
 
     Never leaves exactly one token for a later chunk; returns 0 when cap is too small to make
-    progress without doing so (the caller tries again next tick).
+    progress without doing so (the caller tries again next tick). A cap of 3 or more always makes
+    progress, which is why the worker never plans with less (MIN_CHUNK).
     """
     remaining = end - pos
     if remaining <= 0:

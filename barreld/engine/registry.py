@@ -93,11 +93,16 @@ class ModelRegistry:
             raise InvalidArgument(f"unknown tier {opts.tier!r}; use one of {', '.join(TIERS)}")
         for what, value, low, high in (
             ("n_ctx", opts.n_ctx, 16, 1 << 20),
-            ("n_batch", opts.n_batch, 2, 1 << 16),
+            ("n_batch", opts.n_batch, 9, 1 << 16),
             ("n_seq_max", opts.n_seq_max, 1, 64),
         ):
             if not low <= value <= high:
                 raise InvalidArgument(f"bad {what} {value}: expected {low}..{high}")
+        if opts.n_batch < opts.n_seq_max + 8:
+            raise InvalidArgument(
+                f"bad n_batch {opts.n_batch}: it must hold one token of each of the n_seq_max ({opts.n_seq_max}) "
+                f"sequences plus prefill room, so at least {opts.n_seq_max + 8}"
+            )
         try:
             policy = self.base_policy.with_overrides(opts.policy)
         except ValueError as exc:

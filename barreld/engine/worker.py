@@ -169,17 +169,22 @@ class ModelWorker:
         seq = found.seq if found.seq is not None else self._claim(idle)
         seq.request = req
         req.seq = seq.id
-        t1 = time.perf_counter()
-        kept = self._restore(seq, found, tokens, rendered)
-        req.timings.restore = time.perf_counter() - t1
-        req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
-        if len(req.target) >= be.n_ctx:
+        try:
+            t1 = time.perf_counter()
+            kept = self._restore(seq, found, tokens, rendered)
+            req.timings.restore = time.perf_counter() - t1
+            req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
+            if len(req.target) >= be.n_ctx:
+                raise InvalidArgument(
+                    f"the prompt is {len(req.target)} tokens but the context holds {be.n_ctx}; "
+                    f"shorten it or load the model with a larger --n-ctx"
+                )
+            kept = self._settle(seq, kept, len(req.target))
+        except Exception:
+            self.backend.seq_rm(seq.id, 0, -1)  # whatever state is half set up, the sequence is free again
+            seq.clear()
             seq.request = None
-            raise InvalidArgument(
-                f"the prompt is {len(req.target)} tokens but the context holds {be.n_ctx}; "
-                f"shorten it or load the model with a larger --n-ctx"
-            )
-        kept = self._settle(seq, kept, len(req.target))
+            raise
         req.prompt_tokens = len(req.target)
         seq.prompt_len = len(req.target)
         req.cache.path = found.path if kept > 0 else "miss"
