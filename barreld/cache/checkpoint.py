@@ -64,6 +64,8 @@ class Checkpoint:
     `state` and `logits` may be large; the format never copies them on encode, and `decode` returns them
     as memoryviews into the buffer it was given. `prefixes` are (prefix key, token count) aliases under
     which this checkpoint is also findable; they travel in the file so a restart can rebuild them.
+    `logits_at` says after how many tokens the logits were taken (None: after all of them); a finish
+    checkpoint keeps its prompt's, so resending that prompt samples without evaluating anything.
     """
 
     key: bytes
@@ -78,6 +80,12 @@ class Checkpoint:
     state: Buffer
     logits: Buffer | None = None
     prefixes: Sequence[tuple[bytes, int]] = field(default_factory=tuple)
+    logits_at: int | None = None
+
+    @property
+    def logits_tokens(self) -> int:
+        """How many leading tokens the stored logits follow."""
+        return len(self.tokens) if self.logits_at is None else self.logits_at
 
     @classmethod
     def build(
@@ -149,8 +157,10 @@ def _plan(ckpt: Checkpoint) -> _Plan:
     logits = memoryview(ckpt.logits if ckpt.logits is not None else b"").cast("B")
     if len(logits) % 4:
         raise ValueError("logits must be float32 (a multiple of 4 bytes)")
+    extra = {} if ckpt.logits_at is None else {"logits_at": int(ckpt.logits_at)}
     meta = json.dumps(
         {
+            **extra,
             "key": ckpt.key.hex(),
             "model": ckpt.model,
             "fingerprint": ckpt.fingerprint.hex(),
@@ -252,6 +262,7 @@ def decode(buf: Buffer) -> Checkpoint:
             state=mv[state_at : state_at + s_len],
             logits=mv[logits_at : logits_at + l_len] if flags & _FLAG_LOGITS else None,
             prefixes=tuple((bytes.fromhex(k), int(n)) for k, n in meta["prefixes"]),
+            logits_at=int(meta["logits_at"]) if "logits_at" in meta else None,
         )
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"bad metadata: {e}") from e

@@ -190,6 +190,14 @@ class ModelCache:
                 saved += self._save(seq, reason, sync=True, deadline=deadline)
         return saved
 
+    @staticmethod
+    def _logits(seq: Sequence) -> dict:
+        """The prompt's last logits when the sequence has grown past its prompt (a resent prompt is the
+        common exact hit), else those of its last token, if known."""
+        if seq.prompt_logits is not None and 0 < seq.prompt_len < len(seq.tokens):
+            return {"logits": seq.prompt_logits.tobytes(), "logits_at": seq.prompt_len}
+        return {"logits": seq.logits.tobytes() if seq.logits is not None else None}
+
     def _save(self, seq: Sequence, reason: str, *, sync: bool, deadline: float | None = None) -> bool:
         if self.store is None or not self.policy.allows_save(len(seq.tokens)):
             return False
@@ -212,7 +220,7 @@ class ModelCache:
             save_reason=reason,
             created=time.time(),
             state=self.read_state(seq.id),
-            logits=seq.logits.tobytes() if seq.logits is not None else None,
+            **self._logits(seq),
         )
         points = set(self.policy.prefix_boundaries(len(seq.tokens)))
         if 0 < seq.prompt_len < len(seq.tokens):

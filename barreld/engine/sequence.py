@@ -21,6 +21,7 @@ class Sequence:
     stored_key: bytes | None = None  # a checkpoint of exactly this state is stored or being written
     logits: np.ndarray | None = None  # logits of the last position, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
+    prompt_logits: np.ndarray | None = None  # logits after prompt_len tokens (its prefill's last row)
 
     @property
     def idle(self) -> bool:
@@ -38,10 +39,13 @@ class Sequence:
             del self.tokens[n:]
             del self.offsets[n + 1 :]
             del self.rendered[self.offsets[-1] :]
-            self.prompt_len = min(self.prompt_len, n)
+            if n < self.prompt_len:
+                self.prompt_len = n
+                self.prompt_logits = None
             self.stored_key = None
             self.logits = None
 
     def clear(self) -> None:
         self.truncate(0)
         self.prompt_len = 0
+        self.prompt_logits = None

@@ -237,7 +237,7 @@ class ModelWorker:
                 seq.append(t, self.backend.piece(t))
             if k < len(ckpt.tokens):
                 self.backend.seq_rm(seq.id, k, -1)
-            elif ckpt.logits is not None:
+            if ckpt.logits is not None and ckpt.logits_tokens == k:
                 seq.logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
             return k
 
@@ -314,6 +314,7 @@ class ModelWorker:
                 self.cache.save_async(seq, "cold")
                 req.cold_at = None
             if len(seq.tokens) == len(req.target):
+                seq.prompt_logits = logits[idx]
                 req.timings.prefill = time.perf_counter() - req.prefill_started
                 self._take(req, logits[idx])
         for req, idx in samplers:
@@ -330,6 +331,7 @@ class ModelWorker:
         for req in list(self._active):
             seq = self.seqs[req.seq]
             if req.pending is None and len(seq.tokens) == len(req.target) and seq.logits is not None:
+                seq.prompt_logits = seq.logits
                 req.timings.prefill = time.perf_counter() - req.prefill_started
                 self._take(req, seq.logits)
 

@@ -166,3 +166,14 @@ def test_any_single_flipped_bit_is_detected(ckpt: Checkpoint, data: st.DataObjec
     raw[bit // 8] ^= 1 << (bit % 8)
     with pytest.raises(CorruptCheckpoint):
         decode(raw)
+
+
+def test_logits_may_belong_to_a_prefix() -> None:
+    """A finish checkpoint keeps its prompt's last logits: logits_at says after how many tokens."""
+    from dataclasses import replace
+
+    ckpt = replace(small_ckpt(), logits_at=2)
+    back = decode(encode(ckpt))
+    assert back.logits_at == 2 and back.logits_tokens == 2
+    plain = decode(encode(small_ckpt()))
+    assert plain.logits_at is None and plain.logits_tokens == len(plain.tokens)
