@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
@@ -126,6 +126,10 @@ class CacheStore:
             quotas = {name: t.quota for name, t in self._tiers.items()}
             self._index = Index(self.data_dir / "index.lmdb", quotas, self._delete_payload)
             self.last_reconcile = self._reconcile()
+            log.info(
+                "reconciled the cache at open: %s",
+                " ".join(f"{k}={v}" for k, v in asdict(self.last_reconcile).items()),
+            )
             self._pool = WriterPool(self._writers, self._queue_size)
         except BaseException:
             self._release_resources()
@@ -193,8 +197,18 @@ class CacheStore:
                     b.remove(row, delete_bytes=False)
                     report.reservations_cleared += 1
                 elif row.location != self._location_for(tier, row.key) or tier.size(row.location) != row.size:
+                    size = tier.size(row.location) if row.location is not None else None
+                    log.warning(
+                        "dropping cache row %s (%s): its file %s",
+                        row.key.hex(),
+                        row.tier,
+                        "is gone" if size is None else f"is {size} bytes, the row says {row.size}",
+                    )
                     b.remove(row, delete_bytes=False)
                     report.missing_dropped += 1
+                    if size is None:
+                        # A file still there is verified by the adoption pass below, which counts it if bad.
+                        self.counters.count("corrupt_files")
         indexed = {row.location for row in index.rows()}
         for tier in self._file_tiers():
             for location in sorted(tier.scan()):
