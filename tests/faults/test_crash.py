@@ -1,0 +1,108 @@
+"""Part 1: SIGKILL a daemon at random moments while it serves completions that save (cold, continued,
+finish), 50 times. After every restart the cache must be whole: the index reconciled with the files,
+`cache verify` clean, no temp file left, nothing published before the kill lost, and a prompt whose
+checkpoint was published before the kill starts warm (with the reply it had, when one was seen)."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+import time
+from collections import Counter
+
+import grpc
+
+from tests.conftest import make_world
+
+from . import util
+from .util import POLICY, complete, rows
+
+KILLS = int(os.environ.get("FAULTS_KILLS", "50"))
+MAX_TOKENS = 12
+# Small quotas keep `cache verify` quick and make saves evict older rows as they reserve (~4.6 MB each).
+QUOTAS = '\n[tiers.disk]\nquota = "120M"\n'
+
+
+def available(s) -> set[str]:
+    return {r.key for r in rows(s) if r.status == "available"}
+
+
+def test_sigkill_at_random_moments_loses_nothing_published() -> None:
+    rng = random.Random(20261129)
+    candidates: list[tuple[bytes, bytes | None]] = []  # (prompt, its reply if seen) with a published checkpoint
+    published: set[str] = set()  # keys available just before the last kill
+    tally: Counter[str] = Counter()
+    spent: Counter[str] = Counter()
+    t_start = time.monotonic()
+    with make_world() as w:
+        for life in range(KILLS + 1):
+            tier = ("disk", "ram_file")[life % 2]  # both file tiers must survive a crash
+            util.configure(w, POLICY + QUOTAS + util.model_config(tier=tier), ram_file_quota="120M")
+            log_before = len(w.log_text())
+            t0 = time.monotonic()
+            proc = util.start(w)
+            s = util.stub(w)
+            t1 = time.monotonic()
+            spent["start"] += t1 - t0
+            assert util.counters(s)["corrupt_files"] == 0, f"life {life}: a published file was found damaged"
+            found = {r.key for r in util.assert_consistent(w, s)}
+            assert published <= found, f"life {life}: lost {sorted(published - found)}"
+            if life % 10 == 0:  # the operator's command, too
+                v = w.ctl("--no-autostart", "--json", "cache", "verify")
+                assert v.rc == 0 and v.json()["bad"] == [], v.err
+            for line in re.findall(r"reconciled the cache at open: (.*)", w.log_text()[log_before:]):
+                tally.update({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)})
+            t2 = time.monotonic()
+            spent["checks"] += t2 - t1
+            if life == KILLS:
+                break
+
+            if candidates:  # published before a kill: it must start warm, and reply as it did
+                prompt, text = candidates[-1]
+                again = complete(s, prompt, MAX_TOKENS)
+                assert again.path != "miss", f"life {life}: a checkpoint published before the kill was not found"
+                assert text is None or again.text == text, f"life {life}: the warm reply differs from the first"
+                candidates[-1] = (prompt, again.text)  # warm replies equal cold ones: later probes compare
+                tally["warm_probes"] += 1
+                # Let its saves land first, so every row new at the kill is the fresh prompt's.
+                util.wait_for(lambda s=s, key=again.key: key in available(s), what="the probe's finish save")
+                found = {r.key for r in rows(s)}
+            spent["probe"] += time.monotonic() - t2
+
+            # A fresh prompt (it saves cold at 128 tokens, continued every 8 generated, finish), killed at a
+            # random moment after it starts: in its prefill, a save, its reply, or after it.
+            prompt = util.doc(life, rng.randint(170, 210))
+            result: list = []
+
+            def run(s=s, prompt: bytes = prompt, result: list = result) -> None:
+                try:
+                    result.append(complete(s, prompt, MAX_TOKENS, timeout=60))
+                except grpc.RpcError as e:
+                    result.append(e)
+
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(rng.uniform(0, 1.5))
+            published = available(s)
+            proc.kill()
+            proc.wait(30)
+            t.join(60)
+            assert len(result) == 1
+            reply = result[0]
+            tally["kills"] += 1
+            if isinstance(reply, grpc.RpcError):
+                assert reply.code() == grpc.StatusCode.UNAVAILABLE, reply  # the daemon died under it
+                reply = None
+            else:
+                tally["replies_before_kill"] += 1
+            if published - found:  # some checkpoint of the fresh prompt was published before the kill
+                candidates.append((prompt, reply.text if reply is not None and reply.key in published else None))
+                tally["fresh_prompts_with_a_published_checkpoint"] += 1
+        proc.terminate()
+        assert proc.wait(60) == 0
+    print(f"\ncrash: {dict(tally)}; {len(published)} rows at the end; {time.monotonic() - t_start:.0f} s "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in spent.items())})")
+    assert tally["kills"] == KILLS
+    assert tally["warm_probes"] >= KILLS // 2
