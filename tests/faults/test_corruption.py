@@ -15,13 +15,7 @@ from . import util
 from .util import complete, counters, doc, rows
 
 # One checkpoint per prompt (its finish save), so damaging that one file leaves nothing warm to fall back to.
-POLICY = """
-[policy]
-min_tokens = 128
-cold_min_tokens = 1000000
-continued_interval = "infinity"
-boundary_align_tokens = 128
-"""
+POLICY = util.ONE_SAVE_POLICY
 MAX_TOKENS = 10
 FLUSH = b"Zebras flush the live sequence."  # under min_tokens: it saves nothing
 

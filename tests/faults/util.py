@@ -29,6 +29,14 @@ boundary_trim_tokens = 16
 boundary_align_tokens = 128
 continued_interval = 8
 """
+# One checkpoint per prompt (its finish save): no cold or continued saves beside it.
+ONE_SAVE_POLICY = """
+[policy]
+min_tokens = 128
+cold_min_tokens = 1000000
+continued_interval = "infinity"
+boundary_align_tokens = 128
+"""
 NO_SAVES = '\n[policy]\nmin_tokens = "infinity"\n'
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but "
@@ -155,7 +163,7 @@ def wait_for(pred, timeout: float = 30, interval: float = 0.05, what: str = "con
         time.sleep(interval)
 
 
-def assert_consistent(w: World, s: pb_grpc.BarrelStub) -> list[pb.CacheRow]:
+def assert_consistent(w: World, s: pb_grpc.BarrelStub, roots: dict[str, Path] | None = None) -> list[pb.CacheRow]:
     """A quiet cache agrees with its files: verify finds nothing bad, every row is available, unreferenced,
     and its file is where it says with its size; every published file has a row; no temp file is left."""
     checked, bad = verify(s)
@@ -167,8 +175,9 @@ def assert_consistent(w: World, s: pb_grpc.BarrelStub) -> list[pb.CacheRow]:
         assert r.refcount == 0, (r.key, r.refcount)
         if r.tier != "ram":
             assert Path(r.location).stat().st_size == r.size, r.key
-    for tier, root in tier_roots(w).items():
+    roots = roots or tier_roots(w)
+    for tier, root in roots.items():
         indexed = {r.key for r in got if r.tier == tier}
         assert set(kvc_files(root)) == indexed, f"{tier}: files without rows or rows without files"
-    assert temp_files(*tier_roots(w).values()) == []
+    assert temp_files(*roots.values()) == []
     return got

@@ -1,0 +1,106 @@
+"""Part 3: a tier whose device fills up. The save is dropped and counted (saves_failed), the request
+still succeeds, no partial file is published and no temp file is left, and saves succeed again once there
+is space. A real small tmpfs when this process may mount one; the documented write-fault hook
+(BARREL_FAULT_WRITE, barreld(8)) for every tier either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import World, make_world
+
+from . import util
+from .util import complete, counters, doc, rows
+
+MAX_TOKENS = 8
+
+
+def mount_tmpfs(path: Path, size: str) -> str | None:
+    """Mount a tmpfs at path; None on success, else why not."""
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    path.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    return None if p.returncode == 0 else f"mount -t tmpfs failed: {p.stderr.strip() or p.returncode}"
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def saved(s, key: str) -> bool:
+    return key in {r.key for r in rows(s) if r.status == "available"}
+
+
+def assert_save_failed_cleanly(w: World, s, reply: util.Reply, roots: dict[str, Path], failed_before: int) -> None:
+    util.wait_for(lambda: counters(s)["saves_failed"] > failed_before, what="the failed save to be counted")
+    assert reply.finish_reason == "length" and reply.completion_tokens == MAX_TOKENS  # the request went on
+    assert not saved(s, reply.key)
+    for root in roots.values():
+        assert f"{reply.key}.kvc" not in os.listdir(root), "a partial checkpoint was published"
+    util.assert_consistent(w, s, roots)
+
+
+def test_a_full_tmpfs_drops_the_save_and_saves_resume_when_space_returns() -> None:
+    with make_world() as w:
+        mnt = w.base / "small"
+        why = mount_tmpfs(mnt, "16m")
+        if why:
+            pytest.skip(f"no tmpfs to fill here ({why}); the write-fault hook test covers ENOSPC")
+        try:
+            root = mnt / "kvc"
+            roots = {"disk": root, "ram_file": w.shm}
+            w.write_config(util.ONE_SAVE_POLICY + f'\n[tiers.disk]\nroot = "{root}"\n' + util.model_config())
+            proc = util.start(w)
+            s = util.stub(w)
+            first = complete(s, doc(1, 190), MAX_TOKENS)  # ~5 MB checkpoint: fits
+            util.wait_for(lambda: saved(s, first.key), what="the first save")
+            filler = mnt / "filler"
+            with open(filler, "wb") as f:  # leave about 1 MB
+                for _ in range((free_bytes(mnt) - (1 << 20)) // (1 << 20)):
+                    f.write(b"\0" * (1 << 20))
+            assert free_bytes(mnt) < 2 << 20
+            failed = counters(s)["saves_failed"]
+            full = complete(s, doc(2, 190), MAX_TOKENS)
+            assert_save_failed_cleanly(w, s, full, roots, failed)
+            assert "No space left on device" in w.log_text()
+            filler.unlink()  # space returns
+            again = complete(s, doc(2, 190), MAX_TOKENS)
+            assert again.text == full.text
+            util.wait_for(lambda: saved(s, again.key), what="a save once space returned")
+            later = complete(s, doc(3, 190), MAX_TOKENS)
+            util.wait_for(lambda: saved(s, later.key), what="a later save")
+            util.assert_consistent(w, s, roots)
+            util.stop(proc)
+        finally:
+            w.stop_all()
+            subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("tier", ["disk", "ram_file", "ram"])
+def test_write_fault_hook_drops_saves_and_a_restart_without_it_saves_again(tier: str) -> None:
+    with make_world(util.ONE_SAVE_POLICY + util.model_config(tier=tier)) as w:
+        roots = util.tier_roots(w)
+        proc = util.start(w, env={"BARREL_FAULT_WRITE": f"{tier}:ENOSPC"})
+        s = util.stub(w)
+        failed = counters(s)["saves_failed"]
+        full = complete(s, doc(10, 190), MAX_TOKENS)
+        assert_save_failed_cleanly(w, s, full, roots, failed)
+        # The live sequence is saved again at shutdown, and fails again: the daemon still stops cleanly.
+        util.stop(proc)
+        assert util.temp_files(*roots.values()) == []
+        proc = util.start(w)
+        s = util.stub(w)
+        assert rows(s) == []
+        again = complete(s, doc(10, 190), MAX_TOKENS)
+        assert again.path == "miss" and again.text == full.text
+        util.wait_for(lambda: saved(s, again.key), what="a save once the fault is gone")
+        assert counters(s)["saves_failed"] == 0
+        util.assert_consistent(w, s)
+        util.stop(proc)
