@@ -28,15 +28,56 @@ if TYPE_CHECKING:
 MAX_STOPS = 16
 MAX_STOP_BYTES = 256
 MAX_MODEL_NAME = 128
+MAX_PATH = 4096  # PATH_MAX
+MAX_POLICY_ITEMS = 32
+MAX_POLICY_TEXT = 64
+MAX_DIGEST = 256
+SHOWN = 80
+
+
+def show(text: str) -> str:
+    """A client's string as quoted in an error, cut short: a status message travels in gRPC metadata, which
+    peers refuse beyond 16 KiB (the client would see RESOURCE_EXHAUSTED instead of our answer)."""
+    return repr(text) if len(text) <= SHOWN else repr(text[:SHOWN]) + f"... ({len(text)} characters)"
+
+
+def check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise InvalidArgument(f"unknown tier {show(tier)}; use one of {', '.join(TIERS)}")
+
+
+def check_model_name(name: str) -> None:
+    if len(name) > MAX_MODEL_NAME:
+        raise InvalidArgument(f"bad model name {show(name)}: longer than {MAX_MODEL_NAME} characters")
+
+
+def check_load(request: pb.LoadModelRequest) -> None:
+    """Bounds on a load's strings, before any of them reaches a message, the file system or a parser."""
+    check_model_name(request.name)
+    if request.tier:
+        check_tier(request.tier)
+    if len(request.path) > MAX_PATH or "\0" in request.path:
+        raise InvalidArgument(f"bad path {show(request.path)}: expected a file path of at most {MAX_PATH} bytes")
+    if len(request.policy) > MAX_POLICY_ITEMS:
+        raise InvalidArgument(f"too many policy settings ({len(request.policy)}); at most {MAX_POLICY_ITEMS}")
+    for key, value in request.policy.items():
+        if len(key) > MAX_POLICY_TEXT or len(value) > MAX_POLICY_TEXT:
+            raise InvalidArgument(
+                f"bad policy setting {show(key)}: keys and values are at most {MAX_POLICY_TEXT} characters"
+            )
+    fp = request.fingerprint
+    mode, sep, digest = fp.partition(":")
+    if fp and not (fp in ("safe", "gguf_chunked") or (mode == "fast_unsafe" and sep and 0 < len(digest) <= MAX_DIGEST)):
+        raise InvalidArgument(f"bad fingerprint {show(fp)}: expected safe, gguf_chunked or fast_unsafe:DIGEST")
 
 
 def parse_key(text: str, what: str) -> bytes:
     if len(text) != 64:
-        raise InvalidArgument(f"bad {what} {text[:80]!r}: expected 64 hex digits")
+        raise InvalidArgument(f"bad {what} {show(text)}: expected 64 hex digits")
     try:
         return bytes.fromhex(text)
     except ValueError:
-        raise InvalidArgument(f"bad {what} {text[:80]!r}: expected 64 hex digits") from None
+        raise InvalidArgument(f"bad {what} {show(text)}: expected 64 hex digits") from None
 
 
 def completion_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
@@ -122,8 +163,7 @@ class Servicer(pb_grpc.BarrelServicer):
     @rpc
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[pb.CompleteEvent]:
         self._check_open()
-        if len(request.model) > MAX_MODEL_NAME:
-            raise InvalidArgument(f"bad model name: longer than {MAX_MODEL_NAME} characters")
+        check_model_name(request.model)
         model = self.registry.get(request.model)
         params = completion_params(request, model.options.n_ctx)
         worker = model.worker
@@ -169,8 +209,7 @@ class Servicer(pb_grpc.BarrelServicer):
     def LoadModel(self, request: pb.LoadModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
         self._check_open()
         base = self.load_defaults()
-        if request.tier and request.tier not in TIERS:
-            raise InvalidArgument(f"unknown tier {request.tier!r}; use one of {', '.join(TIERS)}")
+        check_load(request)
         opts = LoadOptions(
             path=Path(request.path) if request.path else None,
             tier=request.tier or base.tier,
@@ -188,6 +227,7 @@ class Servicer(pb_grpc.BarrelServicer):
 
     @rpc
     def UnloadModel(self, request: pb.UnloadModelRequest, context: grpc.ServicerContext) -> pb.UnloadModelReply:
+        check_model_name(request.name)
         return pb.UnloadModelReply(saved=self.registry.unload(request.name))
 
     @rpc
@@ -202,8 +242,8 @@ class Servicer(pb_grpc.BarrelServicer):
 
     @rpc
     def CacheDump(self, request: pb.CacheDumpRequest, context: grpc.ServicerContext) -> pb.CacheDumpReply:
-        if request.tier and request.tier not in TIERS:
-            raise InvalidArgument(f"unknown tier {request.tier!r}; use one of {', '.join(TIERS)}")
+        if request.tier:
+            check_tier(request.tier)
         rows = self._cache().dump(model=request.model or None, tier=request.tier or None)
         return pb.CacheDumpReply(rows=[pb.CacheRow(**{**r, "location": r["location"] or ""}) for r in rows])
 
@@ -228,9 +268,8 @@ class Servicer(pb_grpc.BarrelServicer):
     ) -> pb.CacheEvictBytesReply:
         if request.bytes < 0:
             raise InvalidArgument(f"bad size {request.bytes}: must be >= 0")
-        unknown = [t for t in request.tiers if t not in TIERS]
-        if unknown:
-            raise InvalidArgument(f"unknown tier {unknown[0]!r}; use one of {', '.join(TIERS)}")
+        for tier in request.tiers:
+            check_tier(tier)
         evicted, freed = self._cache().evict_bytes(request.bytes, list(request.tiers) or None)
         return pb.CacheEvictBytesReply(evicted=evicted, bytes_freed=freed)
 
