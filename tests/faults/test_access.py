@@ -54,8 +54,15 @@ def as_nobody(ops: list[tuple[str, str]]) -> dict[str, object]:
         os.setuid(NOBODY)
 
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-    p = subprocess.run([python, "-I", "-c", PROBE, json.dumps(ops)], preexec_fn=drop, cwd="/",
-                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    p = subprocess.run(
+        [python, "-I", "-c", PROBE, json.dumps(ops)],
+        preexec_fn=drop,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -96,8 +103,10 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
     with make_world() as w:
         rf_root = w.shm / "rf"  # barreld creates it
         model = bundled_model_path("smollm2")
-        models = "".join(f'\n[[models]]\nname = "{n}"\npath = "{model}"\ntier = "{t}"\n'
-                         for n, t in (("d", "disk"), ("f", "ram_file")))
+        models = "".join(
+            f'\n[[models]]\nname = "{n}"\npath = "{model}"\ntier = "{t}"\n'
+            for n, t in (("d", "disk"), ("f", "ram_file"))
+        )
         body = f'[tiers.ram_file]\nroot = "{rf_root}"\n' + util.ONE_SAVE_POLICY + models
         (w.base / "config" / "barrel" / "barreld.toml").write_text(body)
         with umask(0):  # a careless umask must not open anything
@@ -105,8 +114,9 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
         s = util.stub(w)
         for name in ("d", "f"):
             r = complete(s, doc(ord(name), 190), 6, model=name)
-            util.wait_for(lambda r=r: r.key in {x.key for x in util.rows(s) if x.status == "available"},
-                          what="the save")
+            util.wait_for(
+                lambda r=r: r.key in {x.key for x in util.rows(s) if x.status == "available"}, what="the save"
+            )
         dirs, files = daemon_paths(w, rf_root)
         kvcs = [f for f in files if f.suffix == ".kvc"]
         index = [f for f in files if f.parent.name == "index.lmdb"]
@@ -131,13 +141,19 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
         assert list(control.values()) == ["ok"]
         assert complete(s, b"The owner still gets in.", 2).completion_tokens == 2
         util.stop(proc)
-        print(f"\naccess: {len(denied) + len(files_denied)} attempts by uid {NOBODY} denied "
-              f"({len(dirs)} dirs 0700, {len(files)} files 0600)")
+        print(
+            f"\naccess: {len(denied) + len(files_denied)} attempts by uid {NOBODY} denied "
+            f"({len(dirs)} dirs 0700, {len(files)} files 0600)"
+        )
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "barrelctl/client.py Client._start_daemon opens <socket dir>/autostart.lock with open(..., 'a+'): "
-    "mode 0666 & ~umask (0644 usually), not 0600"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "barrelctl/client.py Client._start_daemon opens <socket dir>/autostart.lock with open(..., 'a+'): "
+        "mode 0666 & ~umask (0644 usually), not 0600"
+    ),
+)
 def test_files_an_autostart_leaves_are_private() -> None:
     with make_world(util.model_config()) as w, umask(0o022):
         r = w.ctl("complete", "hello", "--max-tokens", "2")

@@ -60,8 +60,9 @@ def cold_replies(w: World, s, prompts: list[bytes]) -> list[util.Reply]:
     """First (cold) replies, their finish checkpoints published, no live sequence left holding them."""
     firsts = [complete(s, p, MAX_TOKENS) for p in prompts]
     assert [f.path for f in firsts] == ["miss"] * len(prompts)
-    util.wait_for(lambda: {f.key for f in firsts} <= {r.key for r in rows(s) if r.status == "available"},
-                  what="the finish saves")
+    util.wait_for(
+        lambda: {f.key for f in firsts} <= {r.key for r in rows(s) if r.status == "available"}, what="the finish saves"
+    )
     complete(s, FLUSH, 2)
     return firsts
 

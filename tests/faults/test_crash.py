@@ -42,6 +42,12 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
             util.configure(w, POLICY + QUOTAS + util.model_config(tier=tier), ram_file_quota="120M")
             log_before = len(w.log_text())
             t0 = time.monotonic()
+            if life % 10 == 5:  # now and then a kill in start-up, maybe in the middle of reconciling
+                early = w.start_daemon(wait=False)
+                time.sleep(rng.uniform(0, 0.6))
+                early.kill()
+                early.wait(30)
+                tally["kills_in_startup"] += 1
             proc = util.start(w)
             s = util.stub(w)
             t1 = time.monotonic()
@@ -102,7 +108,9 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 tally["fresh_prompts_with_a_published_checkpoint"] += 1
         proc.terminate()
         assert proc.wait(60) == 0
-    print(f"\ncrash: {dict(tally)}; {len(published)} rows at the end; {time.monotonic() - t_start:.0f} s "
-          f"({', '.join(f'{k} {v:.0f} s' for k, v in spent.items())})")
+    print(
+        f"\ncrash: {dict(tally)}; {len(published)} rows at the end; {time.monotonic() - t_start:.0f} s "
+        f"({', '.join(f'{k} {v:.0f} s' for k, v in spent.items())})"
+    )
     assert tally["kills"] == KILLS
     assert tally["warm_probes"] >= KILLS // 2

@@ -24,8 +24,9 @@ def mount_tmpfs(path: Path, size: str) -> str | None:
     if os.geteuid() != 0:
         return "mounting a tmpfs needs root"
     path.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True, text=True
+    )
     return None if p.returncode == 0 else f"mount -t tmpfs failed: {p.stderr.strip() or p.returncode}"
 
 

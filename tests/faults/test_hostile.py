@@ -48,6 +48,7 @@ def hostile() -> Iterator[tuple[World, dict[str, str]]]:
 
 # ---- strategies ------------------------------------------------------------------------------------
 
+
 def huge_text(min_size: int = 10_000) -> st.SearchStrategy[str]:
     return st.integers(min_size, 200_000).map(lambda n: ("é\U0001f600x" * n)[:n])
 
@@ -64,8 +65,9 @@ float32 = st.one_of(
     st.sampled_from([math.nan, math.inf, -math.inf, -1.0, -0.0, 0.0, 0.7, 100.0, 100.5, 3.4e38]),
     st.floats(width=32),
 )
-tier_names = st.one_of(st.sampled_from(["", "ram", "ram_file", "disk", "floppy", "Disk", "ram,disk", " ram"]),
-                       st.text(max_size=12))
+tier_names = st.one_of(
+    st.sampled_from(["", "ram", "ram_file", "disk", "floppy", "Disk", "ram,disk", " ram"]), st.text(max_size=12)
+)
 hex_keys = st.one_of(
     st.just(""),
     st.text(max_size=70),
@@ -120,11 +122,25 @@ def complete_requests(draw) -> pb.CompleteRequest:
     return req
 
 
-policy_keys = st.one_of(st.sampled_from(["min_tokens", "cold_min_tokens", "continued_interval",
-                                          "prefill_chunk_size", "evict_save_timeout_ms", "boundary_align_tokens"]),
-                        st.text(max_size=20), huge_text(100))
-policy_values = st.one_of(st.sampled_from(["", "infinity", "auto", "-1", "0", "1", "1e9", "nan", "9" * 40, "0x10"]),
-                          st.text(max_size=20), huge_text(100))
+policy_keys = st.one_of(
+    st.sampled_from(
+        [
+            "min_tokens",
+            "cold_min_tokens",
+            "continued_interval",
+            "prefill_chunk_size",
+            "evict_save_timeout_ms",
+            "boundary_align_tokens",
+        ]
+    ),
+    st.text(max_size=20),
+    huge_text(100),
+)
+policy_values = st.one_of(
+    st.sampled_from(["", "infinity", "auto", "-1", "0", "1", "1e9", "nan", "9" * 40, "0x10"]),
+    st.text(max_size=20),
+    huge_text(100),
+)
 sizes = st.one_of(st.just(0), st.integers(16, 8192), int32)
 
 
@@ -133,33 +149,64 @@ def load_requests(draw, paths: dict[str, str]) -> pb.LoadModelRequest:
     return pb.LoadModelRequest(
         name=draw(st.one_of(st.sampled_from([PROTECTED, "m1", "fuzz-model.v2"]), strings)),
         # never the real model: a fuzzed valid load could ask for a context of 2**20 cells
-        path=draw(st.one_of(st.sampled_from(["", "/nonexistent/m.gguf", "/dev/null", "/proc/self/status",
-                                             "relative.gguf", "a\0b", *paths.values()]), strings)),
+        path=draw(
+            st.one_of(
+                st.sampled_from(
+                    [
+                        "",
+                        "/nonexistent/m.gguf",
+                        "/dev/null",
+                        "/proc/self/status",
+                        "relative.gguf",
+                        "a\0b",
+                        *paths.values(),
+                    ]
+                ),
+                strings,
+            )
+        ),
         tier=draw(st.one_of(st.just(""), tier_names)),
         n_ctx=draw(sizes),
         n_batch=draw(sizes),
         n_seq_max=draw(st.one_of(st.just(0), st.integers(1, 8), int32)),
-        policy=draw(st.one_of(st.just({}), st.dictionaries(policy_keys, policy_values, max_size=3),
-                              st.dictionaries(st.text(max_size=3), st.just("1"), min_size=33, max_size=40))),
-        fingerprint=draw(st.one_of(st.sampled_from(["", "safe", "gguf_chunked", "fast_unsafe", "fast_unsafe:",
-                                                    "fast_unsafe:abc", "bogus"]), strings)),
+        policy=draw(
+            st.one_of(
+                st.just({}),
+                st.dictionaries(policy_keys, policy_values, max_size=3),
+                st.dictionaries(st.text(max_size=3), st.just("1"), min_size=33, max_size=40),
+            )
+        ),
+        fingerprint=draw(
+            st.one_of(
+                st.sampled_from(
+                    ["", "safe", "gguf_chunked", "fast_unsafe", "fast_unsafe:", "fast_unsafe:abc", "bogus"]
+                ),
+                strings,
+            )
+        ),
     )
 
 
 def calls(paths: dict[str, str]) -> st.SearchStrategy[tuple[str, object]]:
-    empty = st.sampled_from([
-        ("ListModels", pb.ListModelsRequest()), ("CacheStats", pb.CacheStatsRequest()),
-        ("CacheGc", pb.CacheGcRequest()), ("CacheVerify", pb.CacheVerifyRequest()),
-        ("SchedulerStatus", pb.SchedulerStatusRequest()), ("DaemonStatus", pb.DaemonStatusRequest()),
-    ])
+    empty = st.sampled_from(
+        [
+            ("ListModels", pb.ListModelsRequest()),
+            ("CacheStats", pb.CacheStatsRequest()),
+            ("CacheGc", pb.CacheGcRequest()),
+            ("CacheVerify", pb.CacheVerifyRequest()),
+            ("SchedulerStatus", pb.SchedulerStatusRequest()),
+            ("DaemonStatus", pb.DaemonStatusRequest()),
+        ]
+    )
     return st.one_of(
         complete_requests().map(lambda r: ("Complete", r)),
         complete_requests().map(lambda r: ("Complete", r)),  # the richest request: drawn twice as often
         load_requests(paths).map(lambda r: ("LoadModel", r)),
         strings.filter(lambda n: n != PROTECTED).map(lambda n: ("UnloadModel", pb.UnloadModelRequest(name=n))),
         st.builds(pb.CacheDumpRequest, model=strings, tier=tier_names).map(lambda r: ("CacheDump", r)),
-        st.builds(lambda b, t: pb.CacheEvictBytesRequest(bytes=b, tiers=t), int64,
-                  st.lists(tier_names, max_size=4)).map(lambda r: ("CacheEvictBytes", r)),
+        st.builds(
+            lambda b, t: pb.CacheEvictBytesRequest(bytes=b, tiers=t), int64, st.lists(tier_names, max_size=4)
+        ).map(lambda r: ("CacheEvictBytes", r)),
         empty,
     )
 
@@ -191,8 +238,13 @@ def test_every_rpc_with_malformed_fields_gets_a_clear_answer_and_the_daemon_serv
     pid = s.DaemonStatus(pb.DaemonStatusRequest()).pid
     seen: Counter[str] = Counter()
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=not RANDOM,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(calls(paths))
     def one(call: tuple[str, object]) -> None:
         method, req = call
@@ -250,11 +302,13 @@ def raw_call(channel: grpc.Channel, method: str, body: bytes) -> tuple[str, str]
     path = f"/barrel.v1.Barrel/{method}"
     try:
         if streams:
-            list(channel.unary_stream(path, request_serializer=bytes, response_deserializer=resp.FromString)(
-                body, timeout=30))
+            list(
+                channel.unary_stream(path, request_serializer=bytes, response_deserializer=resp.FromString)(
+                    body, timeout=30
+                )
+            )
         else:
-            channel.unary_unary(path, request_serializer=bytes, response_deserializer=resp.FromString)(
-                body, timeout=30)
+            channel.unary_unary(path, request_serializer=bytes, response_deserializer=resp.FromString)(body, timeout=30)
         return "OK", ""
     except grpc.RpcError as e:
         return e.code().name, e.details() or ""
@@ -271,9 +325,13 @@ def test_undecodable_requests_leave_the_daemon_serving(hostile) -> None:
             assert s.DaemonStatus(pb.DaemonStatusRequest(), timeout=30).pid == pid
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "barreld/server/daemon.py GrpcServer registers the generated handlers, whose request deserializer fails "
-    "before the servicer runs: gRPC answers INTERNAL 'Exception deserializing request!' and logs a traceback"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "barreld/server/daemon.py GrpcServer registers the generated handlers, whose request deserializer fails "
+        "before the servicer runs: gRPC answers INTERNAL 'Exception deserializing request!' and logs a traceback"
+    ),
+)
 def test_undecodable_requests_are_invalid_argument(hostile) -> None:
     w, _ = hostile
     wrong = []
@@ -285,10 +343,14 @@ def test_undecodable_requests_are_invalid_argument(hostile) -> None:
     assert wrong == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "barreld/engine/llama_backend.py LlamaBackend._tokenize: llama_tokenize throws std::invalid_argument "
-    "('invalid codepoint', unicode_cpt_to_utf8) for a 4-byte sequence above U+10FFFF; the C++ exception "
-    "cannot cross ctypes, so std::terminate aborts barreld (SIGABRT) on a 4-byte prompt"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "barreld/engine/llama_backend.py LlamaBackend._tokenize: llama_tokenize throws std::invalid_argument "
+        "('invalid codepoint', unicode_cpt_to_utf8) for a 4-byte sequence above U+10FFFF; the C++ exception "
+        "cannot cross ctypes, so std::terminate aborts barreld (SIGABRT) on a 4-byte prompt"
+    ),
+)
 @pytest.mark.parametrize("bad", [b"\xf4\x90\x80\x80", b"\xf7\xbf\xbf\xbf"], ids=["U+110000", "U+1FFFFF"])
 def test_a_prompt_llama_cpp_cannot_decode_does_not_kill_the_daemon(bad: bytes) -> None:
     with make_world(util.model_config()) as w:
@@ -301,6 +363,7 @@ def test_a_prompt_llama_cpp_cannot_decode_does_not_kill_the_daemon(bad: bytes) -
 
 
 # ---- keys are over bytes ---------------------------------------------------------------------------
+
 
 def not_utf8(i: int, n_words: int) -> bytes:
     """About n_words tokens of text broken up by bytes that no UTF-8 decoder accepts."""
@@ -331,8 +394,9 @@ def test_prompts_that_are_not_utf8_cache_by_their_bytes() -> None:
         assert first.path == "miss" and 550 <= first.prompt_tokens <= 900
         live = complete(s, prompt, 10)
         assert live.path == "live" and live.text == first.text and live.key == first.key
-        util.wait_for(lambda: first.key in {r.key for r in util.rows(s) if r.status == "available"},
-                      what="the finish save")
+        util.wait_for(
+            lambda: first.key in {r.key for r in util.rows(s) if r.status == "available"}, what="the finish save"
+        )
         complete(s, b"Zebras flush the live sequence.", 2)
         exact = complete(s, prompt, 10)
         assert exact.path == "exact" and exact.text == first.text and exact.prompt_key == first.prompt_key

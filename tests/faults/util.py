@@ -119,8 +119,17 @@ def complete(s: pb_grpc.BarrelStub, prompt: bytes, max_tokens: int = 8, timeout:
         if ev.WhichOneof("event") == "done":
             done = ev.done
     assert done is not None, "the stream ended without a Done event"
-    return Reply(done.text, done.key, done.prompt_key, done.cache.path, done.cache.restored_tokens,
-                 done.cache.tier, done.finish_reason, done.prompt_tokens, done.completion_tokens)
+    return Reply(
+        done.text,
+        done.key,
+        done.prompt_key,
+        done.cache.path,
+        done.cache.restored_tokens,
+        done.cache.tier,
+        done.finish_reason,
+        done.prompt_tokens,
+        done.completion_tokens,
+    )
 
 
 def counters(s: pb_grpc.BarrelStub) -> dict[str, int]:
@@ -132,8 +141,9 @@ def rows(s: pb_grpc.BarrelStub) -> list[pb.CacheRow]:
 
 
 def verify(s: pb_grpc.BarrelStub) -> tuple[int, list[str]]:
-    result = [ev.result for ev in s.CacheVerify(pb.CacheVerifyRequest(), timeout=120)
-              if ev.WhichOneof("event") == "result"]
+    result = [
+        ev.result for ev in s.CacheVerify(pb.CacheVerifyRequest(), timeout=120) if ev.WhichOneof("event") == "result"
+    ]
     assert len(result) == 1
     return result[0].checked, list(result[0].bad)
 
