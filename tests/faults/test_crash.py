@@ -78,7 +78,8 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
             spent["probe"] += time.monotonic() - t2
 
             # A fresh prompt (it saves cold at 128 tokens, continued every 8 generated, finish), killed at a
-            # random moment after it starts: in its prefill, a save, its reply, or after it.
+            # random moment 0-1.5 s after it starts: in its prefill, a save, its reply, or after it; every
+            # third kill is aimed at a save in flight, a window of milliseconds that chance seldom hits.
             prompt = util.doc(life, rng.randint(170, 210))
             result: list = []
 
@@ -90,8 +91,22 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
 
             t = threading.Thread(target=run)
             t.start()
-            time.sleep(rng.uniform(0, 1.5))
-            published = available(s)
+            if life % 3 == 2:  # aimed: the moment a save's temp file appears, i.e. while it writes the file
+                root = util.tier_roots(w)[tier]
+                published, refreshed = available(s), time.monotonic()
+                deadline = refreshed + 1.5
+                while time.monotonic() < deadline:
+                    if util.temp_files(root):
+                        tally["kills_while_a_temp_file_was_written"] += 1
+                        break
+                    if time.monotonic() - refreshed > 0.05:  # what is published so far (a dump takes a while)
+                        published, refreshed = available(s), time.monotonic()
+                    time.sleep(0.0005)
+                else:
+                    published = available(s)
+            else:
+                time.sleep(rng.uniform(0, 1.5))
+                published = available(s)
             proc.kill()
             proc.wait(30)
             t.join(60)
