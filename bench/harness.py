@@ -79,7 +79,7 @@ class Tokenizer:
     def __init__(self) -> None:
         import llama_cpp
 
-        with _quiet_stderr():
+        with quiet_stderr():
             self._llm = llama_cpp.Llama(model_path=str(model_path()), vocab_only=True, verbose=False)
 
     def count(self, text: str) -> int:
@@ -110,7 +110,7 @@ def _sentence(r: random.Random) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """llama.cpp writes to fd 2 directly; silence it (and Python's prints) for the duration."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -124,8 +124,6 @@ def _quiet_stderr():
         os.close(saved)
         os.close(devnull)
 
-
-quiet_stderr = _quiet_stderr
 
 
 # ---- the daemon -------------------------------------------------------------------------------------
@@ -312,19 +310,6 @@ class Daemon:
         """Sends a short unrelated prompt, so the single live sequence no longer holds the last prompt and
         the next request must come from a tier (or from a cold prefill)."""
         self.complete(f"~{n} unrelated", max_tokens=1)
-
-
-def wait_idle(d: Daemon, timeout: float = 60) -> None:
-    """Waits until no save is in flight: the saves counter stops moving."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        c = d.counters()
-        now = tuple(sorted((k, v) for k, v in c.items() if k.startswith("saves_")))
-        if now == last:
-            return
-        last = now
-        time.sleep(0.3)
 
 
 # ---- the machine ----------------------------------------------------------------------------------
