@@ -67,9 +67,10 @@ def ttft_tables(sec: TTFTSection) -> list[Table]:
                 detail.add(r.prompt_tokens(n), t + (f" ({v})" if t == "disk" else ""), ms(r.warm_ms(name, v, n)),
                            ms(r.warm_ms(name, v, n, "daemon_ttft_ms")), ms(r.warm_ms(name, v, n, "restore_ms")),
                            ms(r.warm_ms(name, v, n, "prefill_ms")), ms(r.cold_ms(name, n)))
-    detail.note = ("The warm start restores the prompt's checkpoint and re-evaluates its last two tokens (a "
-                   "one-token batch is not bit-identical to a batched prefill, FACTS.md); that decode is most "
-                   "of what remains after the restore.")
+    detail.note = ("'restore' and 're-evaluate last tokens' are the daemon's timings_ms.restore and .prefill. A "
+                   "finish checkpoint keeps the logits of its prompt's last position, so an exact hit samples "
+                   "without any decode; a checkpoint without them needs the prompt's last two tokens re-evaluated "
+                   "(a one-token batch is not bit-identical to a batched prefill, FACTS.md).")
     return [absolute, ratios, detail]
 
 

@@ -86,8 +86,10 @@ def tables(r: Results, n: int) -> list[Table]:
         "streamed chunk of `llm(prompt, max_tokens=1, stream=True)`; 'fresh Llama' = a new instance on the same "
         "cache, 'same Llama' = the first instance after an unrelated prompt; 'whole call' = the return of the "
         "call (the faster warm method), which comes only after llama-cpp-python has written the state back to "
-        "its cache. Barrel's warm start restores the checkpoint, then re-evaluates the prompt's last two tokens "
-        "(a one-token batch is not bit-identical to a batched prefill, FACTS.md): that decode is most of its time."
+        "its cache. Barrel's warm start restores the checkpoint; 're-evaluate last tokens' is the daemon's prefill "
+        "time, zero when the checkpoint holds the logits of the prompt's last position (a finish checkpoint keeps "
+        "them), else the decode of the prompt's last two tokens (a one-token batch is not bit-identical to a "
+        "batched prefill, FACTS.md)."
     )
     vs = Table(
         "Barrel's warm start against llama-cpp-python's (how many times faster; target ≥ 10x)",
