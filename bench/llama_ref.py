@@ -10,6 +10,11 @@ defaults to half the cores, barreld uses all of them, so n_threads is set to mat
 - warm, fresh instance: a NEW `Llama` (warmed up the same way) on the same cache (the RAM cache object, or a
   new `LlamaDiskCache` on the same directory) runs the prompt: what a new worker or process sees.
 
+llama-cpp-python's warm start moves its whole state through Python in fresh allocations: `load_state`
+copies the KV state and its scores buffer (n_batch x n_vocab floats, 100 MB for this model) twice, and
+`save_state` copies them again. On the two-core VM these runs used, that cost 50 to 300 ms from one run
+to the next (page-fault cost varies), so its warm figures move more than Barrel's between runs.
+
 Both use llama.cpp's OpenMP build; bench/harness.py sets GOMP_SPINCOUNT=10000 for every process (see there):
 with libgomp's default spin-wait, llama-cpp-python ran 3-4x slower than barreld on a shared two-core machine.
 
