@@ -5,7 +5,7 @@ Plain Python (no gRPC, no llama): the engine builds `Checkpoint`s and calls a `C
 
 from .checkpoint import FORMAT_VERSION, SAVE_REASONS, Checkpoint, decode, encode_parts, encoded_size
 from .counters import COUNTER_NAMES, Counters
-from .errors import CacheError, CorruptCheckpoint, StoreLocked, TierWriteError, WriterQueueFull
+from .errors import CacheError, CorruptCheckpoint, IndexWriteError, StoreLocked, TierWriteError, WriterQueueFull
 from .index import Hit
 from .key import FINGERPRINT_MODES, CtxParams, KeyScheme, fingerprint_gguf
 from .store import TIER_NAMES, CacheStore, ReconcileReport, SaveOutcome, TierConfig
@@ -23,6 +23,7 @@ __all__ = [
     "Counters",
     "CtxParams",
     "Hit",
+    "IndexWriteError",
     "KeyScheme",
     "ReconcileReport",
     "SaveOutcome",

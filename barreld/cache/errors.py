@@ -24,6 +24,10 @@ class TierWriteError(CacheError):
         self.errno = errno
 
 
+class IndexWriteError(CacheError):
+    """The LMDB index could not commit a change (its disk is full, say); the index is as it was."""
+
+
 class WriterQueueFull(CacheError):
     """The writer pool's queue is full; the caller drops the save instead of waiting."""
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import lmdb
 
+from .errors import IndexWriteError
+
 log = logging.getLogger("barreld.cache")
 
 RESERVED = "reserved"
@@ -213,13 +215,15 @@ class Index:
                         txn.put(key, row.encode(), db=self._rows)
                 yield batch
                 txn.commit()
-            except BaseException:
+            except BaseException as e:
                 txn.abort()
                 with self._mem_lock:
                     for key, (ns, hits) in touched.items():
                         old_ns, old_hits = self._touched.get(key, (0, 0))
                         self._touched[key] = (max(ns, old_ns), hits + old_hits)
                     self._doomed.difference_update(batch.doomed)
+                if isinstance(e, lmdb.Error):
+                    raise IndexWriteError(f"the index could not commit: {e}") from e
                 raise
             for tier, (size, rows) in batch.deltas.items():
                 self._used[tier] = self._used.get(tier, 0) + size

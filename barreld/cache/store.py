@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
-from .errors import CorruptCheckpoint, TierWriteError, WriterQueueFull
+from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
 from .index import AVAILABLE, RESERVED, Hit, Index, Row, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
@@ -329,15 +329,18 @@ class CacheStore:
         index = self._require_open()
         tier = self._tiers[tier_name]
         key = ckpt.key
-        res = index.reserve(
-            key,
-            tier_name,
-            size,
-            model=ckpt.model,
-            tokens=len(ckpt.tokens),
-            text_bytes=len(ckpt.rendered),
-            save_reason=ckpt.save_reason,
-        )
+        try:
+            res = index.reserve(
+                key,
+                tier_name,
+                size,
+                model=ckpt.model,
+                tokens=len(ckpt.tokens),
+                text_bytes=len(ckpt.rendered),
+                save_reason=ckpt.save_reason,
+            )
+        except IndexWriteError as e:
+            return self._failed(key, tier_name, e)
         if res.evicted:
             self.counters.count("evictions", res.evicted)
         if res.status == "duplicate":
@@ -349,14 +352,18 @@ class CacheStore:
         try:
             location = tier.put(key.hex(), encode_parts(ckpt), lambda: index.holds(key, res.token))
         except TierWriteError as e:
-            index.abandon(key, res.token)
-            self.counters.count("saves_failed")
-            log.warning("save of %s to %s failed: %s", key.hex(), tier_name, e)
-            return SaveOutcome("failed", key, tier_name, detail=str(e))
+            self._abandon(key, res.token)
+            return self._failed(key, tier_name, e)
         except BaseException:
-            index.abandon(key, res.token)
+            self._abandon(key, res.token)
             raise
-        if location is None or not index.mark_available(key, res.token, location, ckpt.prefixes):
+        try:
+            marked = location is not None and index.mark_available(key, res.token, location, ckpt.prefixes)
+        except IndexWriteError as e:
+            tier.delete(location)  # published, but no row will ever say so
+            self._abandon(key, res.token)
+            return self._failed(key, tier_name, e)
+        if not marked:
             if location is not None and index.get(key) is None:
                 tier.delete(location)
             self.counters.count("saves_dropped")
@@ -364,6 +371,20 @@ class CacheStore:
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
         return SaveOutcome("published", key, tier_name)
+
+    def _failed(self, key: bytes, tier_name: str, e: Exception) -> SaveOutcome:
+        """A save that storage refused (a full or failing tier or index): counted, logged, never raised,
+        so a full disk costs the cache a checkpoint and never the engine a request."""
+        self.counters.count("saves_failed")
+        log.warning("save of %s to %s failed: %s", key.hex(), tier_name, e)
+        return SaveOutcome("failed", key, tier_name, detail=str(e))
+
+    def _abandon(self, key: bytes, token: str) -> None:
+        """Drop a reservation, best effort: one the index cannot drop now is cleared by the next open."""
+        try:
+            self._require_open().abandon(key, token)
+        except IndexWriteError as e:
+            log.warning("could not drop the reservation of %s: %s", key.hex(), e)
 
     # ---- lookups and restores -----------------------------------------------------------------
 
@@ -408,7 +429,12 @@ class CacheStore:
                 raise CorruptCheckpoint("checkpoint does not match its index row")
         except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
             log.warning("dropping cache row %s (%s): %s", row.key.hex(), row.tier, e)
-            if index.remove(row.key, row.token) is not None:
+            try:
+                dropped = index.remove(row.key, row.token) is not None
+            except IndexWriteError as ie:  # not restored all the same; the next restore tries again
+                log.warning("could not drop cache row %s: %s", row.key.hex(), ie)
+                dropped = True
+            if dropped:
                 self.counters.count("corrupt_files")
             return None
         return ckpt
