@@ -1,7 +1,8 @@
 """Part 3: a tier whose device fills up. The save is dropped and counted (saves_failed), the request
 still succeeds, no partial file is published and no temp file is left, and saves succeed again once there
 is space. A real small tmpfs when this process may mount one; the documented write-fault hook
-(BARREL_FAULT_WRITE, barreld(8)) for every tier either way."""
+(BARREL_FAULT_WRITE, barreld(8)) for every tier either way. And the data dir itself filling up: the LMDB
+index cannot commit, saves fail and are counted, and the model keeps serving."""
 
 from __future__ import annotations
 
@@ -77,6 +78,58 @@ def test_a_full_tmpfs_drops_the_save_and_saves_resume_when_space_returns() -> No
             util.wait_for(lambda: saved(s, again.key), what="a save once space returned")
             later = complete(s, doc(3, 190), MAX_TOKENS)
             util.wait_for(lambda: saved(s, later.key), what="a later save")
+            util.assert_consistent(w, s, roots)
+            util.stop(proc)
+        finally:
+            w.stop_all()
+            subprocess.run(["umount", str(mnt)], check=False)
+
+
+def fill(mnt: Path) -> Path:
+    """Take every free byte of a filesystem; the filler's path."""
+    filler = mnt / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * (1 << 16))
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\0" * 512)
+    except OSError:
+        pass
+    os.close(fd)
+    return filler
+
+
+def test_a_full_data_dir_fails_saves_without_stopping_the_model() -> None:
+    with make_world() as w:
+        mnt = w.base / "idx"
+        why = mount_tmpfs(mnt, "4m")
+        if why:
+            pytest.skip(f"no tmpfs to fill here ({why})")
+        try:
+            disk = w.base / "kvc"  # the disk tier elsewhere: only the index is short of space
+            w.write_config(util.ONE_SAVE_POLICY + f'\n[tiers.disk]\nroot = "{disk}"\n' + util.model_config())
+            roots = {"disk": disk, "ram_file": w.shm}
+            proc = w.start_daemon("--data-dir", str(mnt / "data"), wait=False)
+            w.wait_ready(proc)
+            s = util.stub(w)
+            first = complete(s, doc(20, 190), MAX_TOKENS)
+            util.wait_for(lambda: saved(s, first.key), what="the first save")
+            filler = fill(mnt)
+            failed = counters(s)["saves_failed"]
+            # Each request's finish save fails in the index; the next one's evict save (sync) fails too.
+            replies = [complete(s, doc(21 + i, 190), MAX_TOKENS, timeout=120) for i in range(3)]
+            assert all(r.finish_reason == "length" for r in replies)
+            util.wait_for(lambda: counters(s)["saves_failed"] >= failed + 3, what="failed saves to be counted")
+            assert [r.key for r in rows(s)] == [first.key]
+            again = complete(s, doc(20, 190), MAX_TOKENS)  # restores still work: reads need no space
+            assert again.path == "exact" and again.text == first.text
+            filler.unlink()
+            later = complete(s, doc(30, 190), MAX_TOKENS)
+            util.wait_for(lambda: saved(s, later.key), what="a save once space returned")
             util.assert_consistent(w, s, roots)
             util.stop(proc)
         finally:
