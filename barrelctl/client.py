@@ -73,7 +73,8 @@ class Client:
         """Starts barreld in the background under a lock, so racing clients end with one daemon."""
         sock_dir = self.socket.parent
         private_dir(sock_dir)
-        with open(sock_dir / "autostart.lock", "a+") as lock:
+        fd = os.open(sock_dir / "autostart.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "r+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if _answers(self.socket):
                 return

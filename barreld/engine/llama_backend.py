@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 _init_lock = threading.Lock()
 _initialised = False
 GGUF_MAGIC = b"GGUF"
+_BEYOND_UNICODE = re.compile(rb"[\xf5-\xf7]|\xf4(?=[\x90-\xbf])")
 
 
 def _llama():
@@ -126,6 +128,9 @@ class LlamaBackend:
         return self._tokenize(data, False)
 
     def _tokenize(self, data: bytes, add_special: bool) -> list[int]:
+        # llama.cpp reads undecodable bytes as U+FFFD, except 4-byte sequences above U+10FFFF, where it
+        # throws a C++ exception that aborts the process; such lead bytes become 0xFF, another U+FFFD.
+        data = _BEYOND_UNICODE.sub(b"\xff", data)
         L = self._L
         cap = len(data) + 8
         arr = (L.llama_token * cap)()

@@ -14,8 +14,10 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from barreld.paths import private_dir
+from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,31 @@ def prepare_socket(path: Path, group: int | None = None) -> None:
         path.unlink()
 
 
+def _parsed(impl, request_type):
+    def call(raw: bytes, context: grpc.ServicerContext):
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}")
+        return impl(request, context)
+
+    return call
+
+
+def parsing_handler(servicer: pb_grpc.BarrelServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, parsing requests themselves: bytes that are not a valid request get
+    INVALID_ARGUMENT with a message, where gRPC's own deserializer would answer INTERNAL."""
+    service = pb.DESCRIPTOR.services_by_name["Barrel"]
+    handlers = {}
+    for method in service.methods:
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            _parsed(getattr(servicer, method.name), getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
 class GrpcServer:
     def __init__(
         self, servicer: pb_grpc.BarrelServicer, socket: Path, *, group: int | None = None, workers: int = 32
@@ -103,7 +130,7 @@ class GrpcServer:
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
         )
-        pb_grpc.add_BarrelServicer_to_server(servicer, self._server)
+        self._server.add_generic_rpc_handlers((parsing_handler(servicer),))
 
     def start(self) -> None:
         prepare_socket(self.socket, self.group)

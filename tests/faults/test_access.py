@@ -147,13 +147,6 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "barrelctl/client.py Client._start_daemon opens <socket dir>/autostart.lock with open(..., 'a+'): "
-        "mode 0666 & ~umask (0644 usually), not 0600"
-    ),
-)
 def test_files_an_autostart_leaves_are_private() -> None:
     with make_world(util.model_config()) as w, umask(0o022):
         r = w.ctl("complete", "hello", "--max-tokens", "2")

@@ -325,13 +325,6 @@ def test_undecodable_requests_leave_the_daemon_serving(hostile) -> None:
             assert s.DaemonStatus(pb.DaemonStatusRequest(), timeout=30).pid == pid
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "barreld/server/daemon.py GrpcServer registers the generated handlers, whose request deserializer fails "
-        "before the servicer runs: gRPC answers INTERNAL 'Exception deserializing request!' and logs a traceback"
-    ),
-)
 def test_undecodable_requests_are_invalid_argument(hostile) -> None:
     w, _ = hostile
     wrong = []
@@ -343,14 +336,6 @@ def test_undecodable_requests_are_invalid_argument(hostile) -> None:
     assert wrong == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "barreld/engine/llama_backend.py LlamaBackend._tokenize: llama_tokenize throws std::invalid_argument "
-        "('invalid codepoint', unicode_cpt_to_utf8) for a 4-byte sequence above U+10FFFF; the C++ exception "
-        "cannot cross ctypes, so std::terminate aborts barreld (SIGABRT) on a 4-byte prompt"
-    ),
-)
 @pytest.mark.parametrize("bad", [b"\xf4\x90\x80\x80", b"\xf7\xbf\xbf\xbf"], ids=["U+110000", "U+1FFFFF"])
 def test_a_prompt_llama_cpp_cannot_decode_does_not_kill_the_daemon(bad: bytes) -> None:
     with make_world(util.model_config()) as w:
