@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -10,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-# A terminal sets the width; piped output is not wrapped by anyone, so give tables room there.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+# A terminal (or $COLUMNS) sets the width; piped output is not wrapped by anyone, so give tables room there.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
 err = Console(stderr=True, highlight=False)
 
 

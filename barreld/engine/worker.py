@@ -139,9 +139,9 @@ class ModelWorker:
                 self._start(req)
             except BarrelError as exc:
                 req.events.put(Failed(exc))
-            except BackendError as exc:
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the model
                 log.exception("request %d failed to start", req.id)
-                req.events.put(Failed(BarrelError(f"llama.cpp failed: {exc}")))
+                req.events.put(Failed(BarrelError(f"the request failed to start ({exc}); see the daemon log")))
 
     def _start(self, req: Request) -> None:
         """Tokenises, finds the best warm start, claims a sequence and sets it up to prefill the rest."""
