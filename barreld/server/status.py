@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import grpc
 
-from barreld.errors import BarrelError
+from barreld.cache.errors import IndexWriteError
+from barreld.errors import BarrelError, FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,8 @@ def rpc(method: Callable) -> Callable:
     is logged with its traceback and answered INTERNAL, and never takes the daemon down."""
 
     def fail(context: grpc.ServicerContext, exc: Exception) -> None:
+        if isinstance(exc, IndexWriteError):
+            exc = FailedPrecondition(f"{exc}; free space where the data dir lives, then retry")
         if isinstance(exc, BarrelError):
             context.abort(grpc_code(exc), str(exc))
         log.exception("%s failed", method.__name__)
