@@ -204,7 +204,8 @@ class ModelCache:
         if not sync and os.environ.get(DROP_ASYNC_ENV) == "1":
             self.store.counters.count("saves_dropped")
             return False
-        key = self.key(bytes(seq.rendered))
+        rendered = bytes(seq.rendered)
+        key = self.key(rendered)
         if seq.stored_key == key and (self.store.lookup(key) is not None or self.store.pending(key)):
             return False
         from barreld.cache import Checkpoint
@@ -215,7 +216,7 @@ class ModelCache:
             fingerprint=self.fingerprint,
             quant=self.quant,
             ctx_params=self.ctx_params,
-            rendered=bytes(seq.rendered),
+            rendered=rendered,
             tokens=list(seq.tokens),
             save_reason=reason,
             created=time.time(),
@@ -225,7 +226,7 @@ class ModelCache:
         points = set(self.policy.prefix_boundaries(len(seq.tokens)))
         if 0 < seq.prompt_len < len(seq.tokens):
             points.add(seq.prompt_len)
-        prefixes = [(self.key(bytes(seq.rendered[: seq.offsets[b]])), b) for b in sorted(points)]
+        prefixes = [(self.key(rendered[: seq.offsets[b]]), b) for b in sorted(points)]
         if deadline is None:
             deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
         outcome = self.store.save(

@@ -93,7 +93,6 @@ class Request:
     sampler: Sampler | None = None
     scanner: StopScanner | None = None
     pending: int | None = None  # sampled token not yet in the KV cache
-    pending_logits: object = None  # stored logits that stand in for the last prompt position
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
     prefill_started: float = 0.0

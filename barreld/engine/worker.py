@@ -55,6 +55,7 @@ class ModelWorker:
         self._cond = threading.Condition()
         self._stopping = False
         self._next_id = 0
+        self._shutdown_saved = 0
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
         self._thread.start()
 
@@ -95,8 +96,6 @@ class ModelWorker:
         return self._shutdown_saved
 
     # ---- worker thread ---------------------------------------------------------------------
-
-    _shutdown_saved = 0
 
     def _run(self) -> None:
         try:
@@ -171,7 +170,7 @@ class ModelWorker:
         req.seq = seq.id
         try:
             t1 = time.perf_counter()
-            kept = self._restore(seq, found, tokens, rendered)
+            kept = self._restore(seq, found)
             req.timings.restore = time.perf_counter() - t1
             req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
             if len(req.target) >= be.n_ctx:
@@ -211,7 +210,7 @@ class ModelWorker:
         victim.clear()
         return victim
 
-    def _restore(self, seq: Sequence, found: Found, tokens: list[int], rendered: bytes) -> int:
+    def _restore(self, seq: Sequence, found: Found) -> int:
         """Puts the found prefix into seq; returns how many of its tokens are now in KV."""
         if found.path == "live":
             if found.tokens < len(seq.tokens):
