@@ -37,6 +37,7 @@ import grpc  # noqa: E402
 
 from barreld.rpc import barrel_pb2 as pb  # noqa: E402
 from barreld.rpc import barrel_pb2_grpc as pb_grpc  # noqa: E402
+from tests.conftest import World  # noqa: E402
 
 MODEL = "smollm2"
 TIERS = ("ram", "ram_file", "disk")
@@ -151,8 +152,9 @@ class Completion:
         return self.timings.get("ttft", float("nan"))
 
 
-class Daemon:
-    """One barreld process in private directories; `with Daemon(...) as d:` starts it and cleans up."""
+class Daemon(World):
+    """One barreld process in the private directories of a test World (paths and environment shared);
+    `with Daemon(...) as d:` starts it and cleans up."""
 
     def __init__(self, name: str, *, tier: str = "disk", policy: dict[str, str] | None = None, n_seq_max: int = 1,
                  config: str = "", load: bool = True) -> None:
@@ -160,41 +162,12 @@ class Daemon:
         self.tier = tier
         self.policy = {k: str(v) for k, v in (policy or {}).items()}
         self.n_seq_max = n_seq_max
-        self.extra_config = config
         self.load_model = load
-        self.base = Path(tempfile.mkdtemp(prefix="bb", dir="/tmp"))
-        self.shm = Path(tempfile.mkdtemp(prefix="barrel-bench-", dir="/dev/shm"))
+        super().__init__(Path(tempfile.mkdtemp(prefix="bb", dir="/tmp")),
+                         Path(tempfile.mkdtemp(prefix="barrel-bench-", dir="/dev/shm")), config)
         self.proc: subprocess.Popen | None = None
         self._channel: grpc.Channel | None = None
         self.stub: pb_grpc.BarrelStub | None = None
-
-    # paths
-    @property
-    def socket(self) -> Path:
-        return self.base / "run" / "barrel" / "barreld.sock"
-
-    @property
-    def data_dir(self) -> Path:
-        return self.base / "data" / "barrel"
-
-    @property
-    def log(self) -> Path:
-        return self.base / "barreld.log"
-
-    @property
-    def config(self) -> Path:
-        return self.base / "barreld.toml"
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("BARREL_", "XDG_"))}
-        env.update(
-            PYTHONPATH=str(ROOT),
-            XDG_RUNTIME_DIR=str(self.base / "run"),
-            XDG_DATA_HOME=str(self.base / "data"),
-            XDG_CONFIG_HOME=str(self.base / "config"),
-            PYTHONUNBUFFERED="1",
-        )
-        return env
 
     def __enter__(self) -> Daemon:
         self.config.write_text(f'[tiers.ram_file]\nroot = "{self.shm}"\n\n{self.extra_config}')
