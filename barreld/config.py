@@ -17,16 +17,14 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from barreld.cache.policy import Policy, PolicyError
+from barreld.names import FINGERPRINT_MODES, TIER_NAMES, model_name_problem
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
 from barreld.sizes import parse_size
 
-TIER_NAMES = ("ram", "ram_file", "disk")
-FINGERPRINT_MODES = ("safe", "gguf_chunked", "fast_unsafe")
 BUNDLED_MODEL = "smollm2"
 """The one model name that may omit `path`: the contract's bundled default."""
 
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _TOML_POSITION = re.compile(r"^(?P<what>.*?) \(at (?P<where>line \d+, column \d+)\)$")
 
 
@@ -229,10 +227,9 @@ class _Reader:
             if "name" not in entry:
                 self.fail(f"{key}.name", "missing: every model needs a name")
             name = self.string(entry["name"], f"{key}.name")
-            if not _MODEL_NAME.fullmatch(name):
-                self.fail(
-                    f"{key}.name", f"bad model name {name!r}: letters, digits, '.', '_', '-'; 64 at most"
-                )
+            problem = model_name_problem(name)
+            if problem:
+                self.fail(f"{key}.name", f"bad model name {name!r}: {problem}")
             if any(m.name == name for m in models):
                 self.fail(f"{key}.name", f"model {name!r} is listed twice")
             models.append(self.model(entry, key, name, policy))

@@ -27,7 +27,3 @@ class ResourceExhausted(BarrelError):
 
 class Unavailable(BarrelError):
     code = "UNAVAILABLE"
-
-
-class Unimplemented(BarrelError):
-    code = "UNIMPLEMENTED"

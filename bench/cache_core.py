@@ -30,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from barreld.cache import (  # noqa: E402
-    TIER_NAMES,
     CacheStore,
     Checkpoint,
     CtxParams,
@@ -38,6 +37,7 @@ from barreld.cache import (  # noqa: E402
     TierConfig,
     encoded_size,
 )
+from barreld.names import TIER_NAMES  # noqa: E402
 
 SCHEME = KeyScheme(b"\x07" * 32, "Q4_1", CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False).encode())
 N_TOKENS = 1500

@@ -40,7 +40,6 @@ from barreld.rpc import barrel_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import World  # noqa: E402
 
 MODEL = "smollm2"
-TIERS = ("ram", "ram_file", "disk")
 _T0 = time.monotonic()
 
 

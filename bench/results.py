@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from bench.harness import TIERS, median
+from barreld.names import TIER_NAMES
+from bench.harness import median
 from bench.llama_ref import CACHES, METHODS
 from bench.report import Table, frac, ms, pct, times
 from bench.suite import AgentSection, ChatSection, OverheadSection, Settings, TTFTSection
@@ -26,27 +27,27 @@ def best_llama(r, cache: str, n: int, what: str = "ttft_ms") -> float:
 def ttft_tables(sec: TTFTSection) -> list[Table]:
     r = sec.results
     absolute = Table("Time to first token (medians)",
-                     ["prompt tokens", *(f"Barrel {t} cold" for t in TIERS[:1]),
-                      *(f"{t} warm" for t in TIERS), "disk warm, page cache dropped",
+                     ["prompt tokens", *(f"Barrel {t} cold" for t in TIER_NAMES[:1]),
+                      *(f"{t} warm" for t in TIER_NAMES), "disk warm, page cache dropped",
                       *(f"{c} cold" for c in CACHES), *(f"{c} warm" for c in CACHES)])
     for n in sec.sizes:
         absolute.add(
             r.prompt_tokens(n), ms(r.cold_ms("Barrel ram", n)),
-            *(ms(r.warm_ms(f"Barrel {t}", WARM, n)) for t in TIERS), ms(r.warm_ms("Barrel disk", DROPPED, n)),
+            *(ms(r.warm_ms(f"Barrel {t}", WARM, n)) for t in TIER_NAMES), ms(r.warm_ms("Barrel disk", DROPPED, n)),
             *(ms(r.cold_ms(c, n)) for c in CACHES), *(ms(best_llama(r, c, n)) for c in CACHES),
         )
     absolute.note = ("Barrel cold is shown for the ram daemon; every tier's cold is in the ratio table's "
                      "denominators. llama-cpp-python warm is the faster of its two methods (fresh instance, or "
                      "the same instance after an unrelated prompt), to the first streamed token.")
     ratios = Table("Ratios (same run): warm / cold per tier, and how many times faster Barrel's warm start is",
-                   ["prompt tokens", *(f"{t} warm/cold" for t in TIERS),
+                   ["prompt tokens", *(f"{t} warm/cold" for t in TIER_NAMES),
                     "ram vs LlamaRAMCache (TTFT)", "ram vs LlamaRAMCache (whole call)",
                     "disk vs LlamaDiskCache (TTFT)", "disk vs LlamaDiskCache (whole call)"])
     for n in sec.sizes:
         ram, disk = r.warm_ms("Barrel ram", WARM, n), r.warm_ms("Barrel disk", WARM, n)
         ratios.add(
             r.prompt_tokens(n),
-            *(frac(r.warm_ms(f"Barrel {t}", WARM, n), r.cold_ms(f"Barrel {t}", n)) for t in TIERS),
+            *(frac(r.warm_ms(f"Barrel {t}", WARM, n), r.cold_ms(f"Barrel {t}", n)) for t in TIER_NAMES),
             times(best_llama(r, "LlamaRAMCache", n), ram), times(best_llama(r, "LlamaRAMCache", n, "call_ms"), ram),
             times(best_llama(r, "LlamaDiskCache", n), disk),
             times(best_llama(r, "LlamaDiskCache", n, "call_ms"), disk),
@@ -59,7 +60,7 @@ def ttft_tables(sec: TTFTSection) -> list[Table]:
                    ["prompt tokens", "tier", "client TTFT", "daemon's ttft", "restore", "re-evaluate last tokens",
                     "cold (this tier)"])
     for n in sec.sizes:
-        for t in TIERS:
+        for t in TIER_NAMES:
             for v in (WARM, DROPPED):
                 if not r.warm[(f"Barrel {t}", v, n)]:
                     continue
@@ -172,7 +173,7 @@ def plot_ttft(sec: TTFTSection, path: Path) -> None:
     x = [r.prompt_tokens(n) for n in sec.sizes]
     fig, ax = plt.subplots(figsize=(8, 5))
     lines = [("Barrel cold (ram daemon)", [r.cold_ms("Barrel ram", n) for n in sec.sizes], "k", "-", "o")]
-    for t, color in zip(TIERS, ("tab:blue", "tab:cyan", "tab:green"), strict=True):
+    for t, color in zip(TIER_NAMES, ("tab:blue", "tab:cyan", "tab:green"), strict=True):
         lines.append((f"Barrel warm, {t}", [r.warm_ms(f"Barrel {t}", WARM, n) for n in sec.sizes], color, "-", "o"))
     for c, color in zip(CACHES, ("tab:red", "tab:orange"), strict=True):
         lines.append((f"{c} cold", [r.cold_ms(c, n) for n in sec.sizes], color, ":", "s"))
@@ -253,7 +254,7 @@ def headline(s: Settings, ttft: TTFTSection, chat: ChatSection, agent: AgentSect
     tokens = r.prompt_tokens(n)
     ram, disk = r.warm_ms("Barrel ram", WARM, n), r.warm_ms("Barrel disk", WARM, n)
     warm_cold = ", ".join(f"{t} {frac(r.warm_ms(f'Barrel {t}', WARM, n), r.cold_ms(f'Barrel {t}', n))}"
-                          for t in TIERS)
+                          for t in TIER_NAMES)
     after = chat.restarted[0]
     return [
         f"- **Warm / cold TTFT at {tokens} tokens**: {warm_cold} (targets: ram ≤ 1/50, disk ≤ 1/30).",

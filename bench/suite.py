@@ -11,7 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from bench.harness import TIERS, Completion, Daemon, Tokenizer, median, progress
+from barreld.names import TIER_NAMES
+from bench.harness import Completion, Daemon, Tokenizer, median, progress
 from bench.llama_ref import CACHES, LlamaSystem
 from bench.traces import FULL_STEPS, QUICK_STEPS, Agent, agent_system, chat_system, chat_user, chatml, reply_text
 from bench.ttft import BarrelSystem, Results, TierCost, compare, prompts_for
@@ -50,7 +51,7 @@ class TTFTSection:
 def section_ttft(tok: Tokenizer, s: Settings) -> TTFTSection:
     prompts = {n: prompts_for(tok, n, s.cold) for n in s.sizes}
     with contextlib.ExitStack() as stack:
-        barrel = [stack.enter_context(BarrelSystem(t, drop_variant=True)) for t in TIERS]
+        barrel = [stack.enter_context(BarrelSystem(t, drop_variant=True)) for t in TIER_NAMES]
         llama = [stack.enter_context(LlamaSystem(c)) for c in CACHES]
         progress(f"  {len(barrel)} daemons up; {s.cold} cold prompt(s) and {s.reps} warm runs per size, round-robin")
         results = compare([*barrel, *llama], prompts, s.reps)

@@ -22,7 +22,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import TIERS, Tokenizer, machine, progress  # noqa: E402
+from barreld.names import TIER_NAMES  # noqa: E402
+from bench.harness import Tokenizer, machine, progress  # noqa: E402
 from bench.llama_ref import CACHES, METHODS, LlamaSystem  # noqa: E402
 from bench.report import Table, frac, ms, times, verdict  # noqa: E402
 from bench.ttft import BarrelSystem, Results, compare, prompts_for  # noqa: E402
@@ -38,7 +39,7 @@ def run(tokens: int, reps: int, n_cold: int) -> Results:
     prompts = prompts_for(Tokenizer(), tokens, n_cold, seed="wvc")
     with contextlib.ExitStack() as stack:
         progress("starting one barreld per tier")
-        systems = [stack.enter_context(BarrelSystem(t, drop_variant=True)) for t in TIERS]
+        systems = [stack.enter_context(BarrelSystem(t, drop_variant=True)) for t in TIER_NAMES]
         systems += [stack.enter_context(LlamaSystem(c)) for c in CACHES]
         progress(f"{tokens}-token prompts: {n_cold} cold each, then {reps} warm runs, round-robin over "
                  f"{len(systems)} systems")
@@ -56,7 +57,7 @@ def tables(r: Results, n: int) -> list[Table]:
         ["", "cold", "warm", "warm, daemon's ttft", "restore", "re-evaluate last tokens", "warm / cold", "target",
          ""],
     )
-    for tier in TIERS:
+    for tier in TIER_NAMES:
         name = f"Barrel {tier}"
         cold = r.cold_ms(name, n)
         for variant in (WARM, DROPPED):
@@ -111,7 +112,7 @@ def tables(r: Results, n: int) -> list[Table]:
 
 def summary(r: Results, n: int) -> dict:
     out: dict[str, float] = {"prompt_tokens": r.prompt_tokens(n)}
-    for tier in TIERS:
+    for tier in TIER_NAMES:
         name = f"Barrel {tier}"
         out[f"{tier}_cold_ms"] = r.cold_ms(name, n)
         out[f"{tier}_warm_ms"] = r.warm_ms(name, WARM, n)

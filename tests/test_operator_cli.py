@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from barreld.names import TIER_NAMES
 from tests.conftest import Run, World, make_world
 from tests.test_cache_paths import POLICY, doc
 
 needs_model = pytest.mark.model   # the rest run barreld without loading a model
 
-TIERS = ("ram", "ram_file", "disk")
 MODEL_TIER = {"d": "disk", "f": "ram_file", "r": "ram"}
 QUOTA = {"ram": 1 << 30, "ram_file": 512 << 20, "disk": 2 << 30}
 ROW_FIELDS = {
@@ -118,7 +118,7 @@ def ops():
 def test_dump_json_lists_every_row_with_every_contract_field(ops: World) -> None:
     rows = dump(ops)
     assert {r["key"] for r in rows} >= set(ops.finish_keys)
-    assert {r["tier"] for r in rows} == set(TIERS)
+    assert {r["tier"] for r in rows} == set(TIER_NAMES)
     now = time.time()
     for r in rows:
         assert set(r) == set(ROW_FIELDS), r
@@ -173,15 +173,15 @@ def test_stats_counts_and_per_tier_bytes_against_quota(ops: World) -> None:
         assert isinstance(counters[name], int), name
     assert counters["saves_cold"] >= 3 and counters["saves_finish"] >= 3
     assert counters["misses"] >= 1 and counters["save_ns"] > 0 and counters["lookup_ns"] > 0
-    assert set(doc_["tiers"]) == set(TIERS)
-    for tier in TIERS:
+    assert set(doc_["tiers"]) == set(TIER_NAMES)
+    for tier in TIER_NAMES:
         t = doc_["tiers"][tier]
         assert set(t) == {"bytes", "quota", "rows"}
         assert t["quota"] == QUOTA[tier]
         assert t["bytes"] == sum(r["size"] for r in rows if r["tier"] == tier) > 0
         assert t["rows"] == sum(1 for r in rows if r["tier"] == tier) >= 2
     human = ok(ops.ctl("cache", "stats", COLUMNS="120")).out
-    for word in ("tiers", "quota", "used", *TIERS, "1.0 GiB", "512.0 MiB", "2.0 GiB", "%", "saves_finish", "ms"):
+    for word in ("tiers", "quota", "used", *TIER_NAMES, "1.0 GiB", "512.0 MiB", "2.0 GiB", "%", "saves_finish", "ms"):
         assert word in human, word
 
 

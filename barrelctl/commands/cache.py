@@ -10,15 +10,15 @@ from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
+from barreld.names import TIER_NAMES
 from barreld.sizes import parse_size
 
 app = typer.Typer(help="Inspect the KV cache and free space.", no_args_is_help=True)
-TIERS = ("ram", "ram_file", "disk")
 
 
 def _tier(value: str | None) -> str:
-    if value is not None and value not in TIERS:
-        raise CliError(f"bad tier {value!r}: use one of {', '.join(TIERS)}", EXIT_USAGE)
+    if value is not None and value not in TIER_NAMES:
+        raise CliError(f"bad tier {value!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
     return value or ""
 
 

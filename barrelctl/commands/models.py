@@ -11,8 +11,7 @@ from barrelctl import render, state
 from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
-
-TIERS = ("ram", "ram_file", "disk")
+from barreld.names import TIER_NAMES
 
 
 def model_json(m) -> dict:
@@ -65,8 +64,8 @@ def model_load(
     """Load a model under NAME."""
     from barreld.rpc import barrel_pb2 as pb
 
-    if tier is not None and tier not in TIERS:
-        raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIERS)}", EXIT_USAGE)
+    if tier is not None and tier not in TIER_NAMES:
+        raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
     for flag, value in (("--n-ctx", n_ctx), ("--n-batch", n_batch), ("--n-seq-max", n_seq_max)):
         if value is not None and value < 1:
             raise CliError(f"bad {flag} {value}: must be at least 1", EXIT_USAGE)

@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from barreld.names import SAVE_REASONS
+
 from .errors import CorruptCheckpoint
 from .key import KeyScheme
 
 FORMAT_VERSION = 1
 MAGIC = b"BRLKV\r\n\x1a"
-SAVE_REASONS: tuple[str, ...] = ("cold", "continued", "finish", "evict", "shutdown")
 
 _HEADER = struct.Struct("<8sIIQIIQQQQ")
 _TRAILER_LEN = 16

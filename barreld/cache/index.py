@@ -30,13 +30,14 @@ from pathlib import Path
 
 import lmdb
 
+from barreld.names import TIER_RANK
+
 from .errors import IndexWriteError
 
 log = logging.getLogger("barreld.cache")
 
 RESERVED = "reserved"
 AVAILABLE = "available"
-TIER_RANK = {"ram": 0, "ram_file": 1, "disk": 2}
 
 _ALIAS_N = struct.Struct("<I")
 

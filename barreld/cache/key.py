@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FINGERPRINT_MODES: tuple[str, ...] = ("safe", "gguf_chunked", "fast_unsafe")
+from barreld.names import FINGERPRINT_MODES
 
 _READ_CHUNK = 8 * 1024 * 1024
 _QUANT_WIDTH = 16

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from barreld.names import TIER_NAMES
+
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
@@ -29,8 +31,6 @@ from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
 
 log = logging.getLogger("barreld.cache")
-
-TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
 
 
 @dataclass(frozen=True)

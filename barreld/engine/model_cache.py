@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from barreld.cache.policy import Policy
 from barreld.engine.plan import MIN_CHUNK, common_prefix_len, tokens_within
 from barreld.engine.sequence import Sequence
+from barreld.names import Route
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore, Checkpoint, Hit
@@ -38,7 +39,7 @@ class KeyFunction(Protocol):
 class Found:
     """The best warm start for a prompt: `tokens` of it are available from `seq` (live) or `hit`."""
 
-    path: str = "miss"
+    route: Route = Route.MISS
     tokens: int = 0
     seq: Sequence | None = None
     hit: Hit | None = None
@@ -86,7 +87,7 @@ class ModelCache:
             n = tokens_within(seq.offsets, common_prefix_len(seq.rendered, rendered))
             # A few shared tokens (a common header) are not worth a live sequence's state.
             if n > best.tokens and n >= min(LIVE_MIN_TOKENS, max(2, len(tokens) // 2)):
-                best = Found("live", n, seq=seq)
+                best = Found(Route.LIVE, n, seq=seq)
         if self.store is None or best.tokens == len(tokens):
             return best
         t0 = time.perf_counter_ns()
@@ -108,7 +109,7 @@ class ModelCache:
         hit = self.store.lookup(self.key(rendered))
         if hit is None:
             return None
-        return Found("exact", hit.n_tokens, hit=hit, tier=hit.tier)
+        return Found(Route.EXACT, hit.n_tokens, hit=hit, tier=hit.tier)
 
     def _resume(self, parent_key: bytes | None, rendered: bytes, offsets: list[int]) -> Found | None:
         """The parent checkpoint's bytes must be a strict prefix of the prompt: checked through the key
@@ -132,7 +133,7 @@ class ModelCache:
             lengths.add(offsets[hit.n_tokens])
         if not any(n < len(rendered) and self.key(rendered[:n]) == parent_key for n in lengths):
             return None
-        return Found("resume", hit.n_tokens, hit=hit, tier=hit.tier)
+        return Found(Route.RESUME, hit.n_tokens, hit=hit, tier=hit.tier)
 
     def _longest_prefix(self, tokens: list[int], rendered: bytes, offsets: list[int], floor: int) -> Found | None:
         """Walks the prompt's stride boundaries, longest first; stops below what is already covered."""
@@ -142,12 +143,12 @@ class ModelCache:
             self.store.counters.count("longest_prefix_probes")
             hit = self.store.lookup(self.key(rendered[: offsets[b]]))
             if hit is not None:
-                return Found("longest_prefix", hit.n_tokens, hit=hit, tier=hit.tier)
+                return Found(Route.LONGEST_PREFIX, hit.n_tokens, hit=hit, tier=hit.tier)
         return None
 
-    def count_path(self, path: str) -> None:
+    def count_route(self, route: Route) -> None:
         if self.store is not None:
-            self.store.counters.count("misses" if path == "miss" else f"hits_{path}")
+            self.store.counters.count(route.counter)
 
     @contextlib.contextmanager
     def restore(self, hit: Hit) -> Iterator[Checkpoint | None]:

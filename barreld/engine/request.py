@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from barreld.engine.sampling import Sampler
 from barreld.engine.stops import StopScanner
+from barreld.names import Route
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -26,7 +27,7 @@ class CompletionParams:
 
 @dataclass
 class CacheReport:
-    path: str = "miss"
+    route: Route = Route.MISS
     restored_tokens: int = 0
     prefilled_tokens: int = 0
     tier: str | None = None

@@ -30,6 +30,7 @@ from barreld.engine.sampling import Sampler
 from barreld.engine.sequence import Sequence
 from barreld.engine.stops import StopScanner
 from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
+from barreld.names import Route
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +187,11 @@ class ModelWorker:
             raise
         req.prompt_tokens = len(req.target)
         seq.prompt_len = len(req.target)
-        req.cache.path = found.path if kept > 0 else "miss"
+        req.cache.route = found.route if kept > 0 else Route.MISS
         req.cache.restored_tokens = kept
         req.cache.prefilled_tokens = len(req.target) - kept
-        req.cache.tier = found.tier if kept > 0 and found.path != "live" else None
-        self.cache.count_path(req.cache.path)
+        req.cache.tier = found.tier if kept > 0 and found.route is not Route.LIVE else None
+        self.cache.count_route(req.cache.route)
         req.cold_at = self.cache.cold_boundary(len(req.target), kept)
         req.sampler = Sampler(p.temperature, p.seed)
         req.scanner = StopScanner(list(p.stop))
@@ -212,7 +213,7 @@ class ModelWorker:
 
     def _restore(self, seq: Sequence, found: Found) -> int:
         """Puts the found prefix into seq; returns how many of its tokens are now in KV."""
-        if found.path == "live":
+        if found.route is Route.LIVE:
             if found.tokens < len(seq.tokens):
                 self.cache.save_sync(seq, "evict")  # the part about to be dropped may be stored nowhere else
             self.backend.seq_rm(seq.id, found.tokens, -1)

@@ -233,16 +233,14 @@ class CacheDumpReply(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[CacheRow, _Mapping]]] = ...) -> None: ...
 
 class TierUsage(_message.Message):
-    __slots__ = ("bytes", "quota", "rows", "root")
+    __slots__ = ("bytes", "quota", "rows")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     QUOTA_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
-    ROOT_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     quota: int
     rows: int
-    root: str
-    def __init__(self, bytes: _Optional[int] = ..., quota: _Optional[int] = ..., rows: _Optional[int] = ..., root: _Optional[str] = ...) -> None: ...
+    def __init__(self, bytes: _Optional[int] = ..., quota: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class CacheStatsRequest(_message.Message):
     __slots__ = ()

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 import barreld
-from barreld.engine.registry import TIERS, LoadedModel, LoadOptions, ModelRegistry
+from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Failed, Started, Token
 from barreld.errors import InvalidArgument, Unavailable
+from barreld.names import FINGERPRINT_MODES, MODEL_NAME_MAX, TIER_NAMES
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.status import rpc
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 MAX_STOPS = 16
 MAX_STOP_BYTES = 256
-MAX_MODEL_NAME = 128
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
 MAX_POLICY_TEXT = 64
@@ -42,13 +42,13 @@ def show(text: str) -> str:
 
 
 def check_tier(tier: str) -> None:
-    if tier not in TIERS:
-        raise InvalidArgument(f"unknown tier {show(tier)}; use one of {', '.join(TIERS)}")
+    if tier not in TIER_NAMES:
+        raise InvalidArgument(f"unknown tier {show(tier)}; use one of {', '.join(TIER_NAMES)}")
 
 
 def check_model_name(name: str) -> None:
-    if len(name) > MAX_MODEL_NAME:
-        raise InvalidArgument(f"bad model name {show(name)}: longer than {MAX_MODEL_NAME} characters")
+    if len(name) > MODEL_NAME_MAX:
+        raise InvalidArgument(f"bad model name {show(name)}: longer than {MODEL_NAME_MAX} characters")
 
 
 def check_load(request: pb.LoadModelRequest) -> None:
@@ -67,7 +67,8 @@ def check_load(request: pb.LoadModelRequest) -> None:
             )
     fp = request.fingerprint
     mode, sep, digest = fp.partition(":")
-    if fp and not (fp in ("safe", "gguf_chunked") or (mode == "fast_unsafe" and sep and 0 < len(digest) <= MAX_DIGEST)):
+    whole_file_modes = [m for m in FINGERPRINT_MODES if m != "fast_unsafe"]
+    if fp and not (fp in whole_file_modes or (mode == "fast_unsafe" and sep and 0 < len(digest) <= MAX_DIGEST)):
         raise InvalidArgument(f"bad fingerprint {show(fp)}: expected safe, gguf_chunked or fast_unsafe:DIGEST")
 
 
@@ -128,7 +129,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
 
 def cache_info(c) -> pb.CacheInfo:
     return pb.CacheInfo(
-        path=c.path, restored_tokens=c.restored_tokens, prefilled_tokens=c.prefilled_tokens, tier=c.tier or ""
+        path=c.route.value, restored_tokens=c.restored_tokens, prefilled_tokens=c.prefilled_tokens, tier=c.tier or ""
     )
 
 
@@ -253,7 +254,7 @@ class Servicer(pb_grpc.BarrelServicer):
         return pb.CacheStatsReply(
             counters=stats["counters"],
             tiers={
-                name: pb.TierUsage(bytes=t["bytes"], quota=t["quota"], rows=t["rows"], root=str(t.get("root") or ""))
+                name: pb.TierUsage(bytes=t["bytes"], quota=t["quota"], rows=t["rows"])
                 for name, t in stats["tiers"].items()
             },
         )

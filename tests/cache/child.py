@@ -15,7 +15,8 @@ import random
 import sys
 from pathlib import Path
 
-from barreld.cache import TIER_NAMES, CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig
+from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig
+from barreld.names import TIER_NAMES
 
 SCHEME = KeyScheme(b"\x42" * 32, "Q8_0", CtxParams(1, 1, 1, True, 10000.0, 1.0, True, False).encode())
 DISK_QUOTA = 1 << 20

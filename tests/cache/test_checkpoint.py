@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from barreld.cache import (
-    SAVE_REASONS,
     Checkpoint,
     CorruptCheckpoint,
     KeyScheme,
@@ -18,6 +17,7 @@ from barreld.cache import (
     encode_parts,
     encoded_size,
 )
+from barreld.names import SAVE_REASONS
 
 from .conftest import SCHEME
 

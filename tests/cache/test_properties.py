@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from barreld.cache import TIER_NAMES, CacheStore, TierConfig, encoded_size
+from barreld.cache import CacheStore, TierConfig, encoded_size
+from barreld.names import TIER_NAMES
 
 from .conftest import SCHEME, make_ckpt
 

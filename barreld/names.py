@@ -1,0 +1,57 @@
+"""The domain's names, defined once: tiers, fingerprint modes, save reasons, lookup routes, memory kinds,
+and the rule for model names. Every layer (cache core, engine, config, server, CLI) imports them from here.
+
+Plain Python with no third-party imports, so `barrelctl --help` and the cache core can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
+"""The local tiers, fastest first: a lookup that finds one checkpoint in two tiers prefers the earlier."""
+
+TIER_RANK: dict[str, int] = {name: rank for rank, name in enumerate(TIER_NAMES)}
+
+FINGERPRINT_MODES: tuple[str, ...] = ("safe", "gguf_chunked", "fast_unsafe")
+"""How a model file is fingerprinted for its keys (see `barreld.cache.key.fingerprint_gguf`)."""
+
+SAVE_REASONS: tuple[str, ...] = ("cold", "continued", "finish", "evict", "shutdown")
+"""The five moments a checkpoint is saved; each has its `saves_<reason>` counter."""
+
+
+class Route(StrEnum):
+    """How a request's prompt was warm-started; the value is the wire name (`cache.path` in replies)."""
+
+    LIVE = "live"
+    EXACT = "exact"
+    RESUME = "resume"
+    LONGEST_PREFIX = "longest_prefix"
+    MISS = "miss"
+
+    @property
+    def counter(self) -> str:
+        """The `cache stats` counter that counts requests served by this route."""
+        return "misses" if self is Route.MISS else f"hits_{self.value}"
+
+
+class MemoryKind(StrEnum):
+    """What a model keeps per token, which decides where its state can be cut (`barreld.engine.memory`)."""
+
+    FULL = "full"
+    SWA = "swa"
+    RECURRENT = "recurrent"
+    HYBRID = "hybrid"
+
+
+MODEL_NAME_MAX = 64
+MODEL_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MODEL_NAME_MAX - 1}}}", re.ASCII)
+MODEL_NAME_RULE = f"letters, digits, '.', '_' and '-', starting with a letter or digit, {MODEL_NAME_MAX} at most"
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a model, or None when it can."""
+    if MODEL_NAME.fullmatch(name):
+        return None
+    return f"use {MODEL_NAME_RULE}"
