@@ -1,4 +1,4 @@
-"""The daemon's TOML config file (CONTRACT.md, "Config file"): read, validated whole, frozen.
+"""The daemon's TOML config file: read, validated whole, frozen.
 
 A bad file stops `barreld` at start with one line naming the file, the key and the problem; a config is
 either entirely valid or not returned at all, so nothing downstream re-checks it. Relative paths in the
@@ -48,7 +48,7 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The memory-pressure scheduler's settings; off by default, as in the guide."""
+    """The memory-pressure scheduler's settings; off by default."""
 
     enabled: bool = False
     pressure_source: str = "system"

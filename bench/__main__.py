@@ -1,6 +1,6 @@
 """python -m bench [--quick] [--out-dir DIR]: the whole benchmark suite, then RESULTS.md and the plots.
 
-Sections (issue 8): 1. cold vs warm TTFT per tier next to llama-cpp-python's caches; 2. a multi-turn chat
+Sections: 1. cold vs warm TTFT per tier next to llama-cpp-python's caches; 2. a multi-turn chat
 resent in full; 3. an agent trace at two strides; 4. the chat again after a restart; 5. cost. Progress goes
 to stderr while it runs; the headline is printed at the end. Full mode took 12 minutes on two cores,
 --quick 4.

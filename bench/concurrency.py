@@ -1,4 +1,4 @@
-"""Concurrent requests (issue 7): stream gaps while a long prompt prefills, and aggregate throughput.
+"""Concurrent requests: stream gaps while a long prompt prefills, and aggregate throughput.
 
 Run from the repository root: `python bench/concurrency.py` (about three minutes on two cores).
 

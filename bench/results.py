@@ -14,7 +14,7 @@ from bench.ttft import BarrelSystem
 
 WARM = BarrelSystem.WARM
 DROPPED = BarrelSystem.DROPPED
-ACCEPT_SIZE = 1500  # in issue 8's 1,500-2,000-token range, and issue 4's prompt length
+ACCEPT_SIZE = 1500  # a long agent turn: the prompt length the warm-vs-cold targets are stated for
 
 
 def best_llama(r, cache: str, n: int, what: str = "ttft_ms") -> float:
@@ -52,7 +52,7 @@ def ttft_tables(sec: TTFTSection) -> list[Table]:
             times(best_llama(r, "LlamaDiskCache", n), disk),
             times(best_llama(r, "LlamaDiskCache", n, "call_ms"), disk),
         )
-    ratios.note = ("Targets (issue 4): warm ≤ 1/50 of cold from ram, ≤ 1/30 from disk with the page cache warm; "
+    ratios.note = ("Targets: warm ≤ 1/50 of cold from ram, ≤ 1/30 from disk with the page cache warm; "
                    "Barrel ≥ 10x faster than llama-cpp-python's caches. 'TTFT' compares first streamed tokens; "
                    "'whole call' compares Barrel's first token with the return of llama-cpp-python's "
                    "`llm(prompt, max_tokens=1)`, which writes the state back to its cache before returning.")
@@ -71,7 +71,7 @@ def ttft_tables(sec: TTFTSection) -> list[Table]:
     detail.note = ("'restore' and 're-evaluate last tokens' are the daemon's timings_ms.restore and .prefill. A "
                    "finish checkpoint keeps the logits of its prompt's last position, so an exact hit samples "
                    "without any decode; a checkpoint without them needs the prompt's last two tokens re-evaluated "
-                   "(a one-token batch is not bit-identical to a batched prefill, FACTS.md).")
+                   "(a one-token batch is not bit-identical to a batched prefill).")
     return [absolute, ratios, detail]
 
 
@@ -299,7 +299,7 @@ def write(out_dir: Path, s: Settings, m: dict, elapsed: float, ttft: TTFTSection
         "",
         *headline(s, ttft, chat, agent),
         "",
-        "See also [warm_vs_cold.md](warm_vs_cold.md), the single-prompt comparison of issue 4 "
+        "See also [warm_vs_cold.md](warm_vs_cold.md), the single-prompt comparison "
         "(`python bench/warm_vs_cold.py`).",
         "",
         "## 1. Cold vs warm time to first token",

@@ -1,4 +1,4 @@
-"""The benchmark suite of issue 8, section by section; `python -m bench` runs it (see bench/__main__.py).
+"""The benchmark suite, section by section; `python -m bench` runs it (see bench/__main__.py).
 
 Each section returns plain data; bench/results.py turns it into RESULTS.md and the plots. Every section
 starts its own barreld processes in private directories and stops them before the next one starts.

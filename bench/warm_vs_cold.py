@@ -1,5 +1,5 @@
 """Cold and warm time to first token on one ~1,500-token prompt: each Barrel tier, and in the same run
-llama-cpp-python's own LlamaRAMCache and LlamaDiskCache on the same prompt (issue 4, acceptance point 5).
+llama-cpp-python's own LlamaRAMCache and LlamaDiskCache on the same prompt.
 
     python bench/warm_vs_cold.py [--tokens 1500] [--reps 5] [--cold 2] [--out bench/warm_vs_cold.md]
 
@@ -90,7 +90,7 @@ def tables(r: Results, n: int) -> list[Table]:
         "its cache. Barrel's warm start restores the checkpoint; 're-evaluate last tokens' is the daemon's prefill "
         "time, zero when the checkpoint holds the logits of the prompt's last position (a finish checkpoint keeps "
         "them), else the decode of the prompt's last two tokens (a one-token batch is not bit-identical to a "
-        "batched prefill, FACTS.md)."
+        "batched prefill)."
     )
     vs = Table(
         "Barrel's warm start against llama-cpp-python's (how many times faster; target ≥ 10x)",

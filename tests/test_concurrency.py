@@ -35,7 +35,7 @@ def wait_idle(w: World, timeout: float = 20) -> dict:
 
 
 def test_four_clients_at_once_get_the_replies_they_would_get_alone() -> None:
-    """Batches mixing sequences take other kernel paths than one sequence alone (FACTS.md), so replies
+    """Batches mixing sequences take other kernel paths than one sequence alone, so replies
     may drift after a while; they must start as the sequential replies do and be complete."""
     prompts = [doc(700 + i, 300) for i in range(4)]
     with make_world(with_model(1)) as w:

@@ -38,7 +38,7 @@ def _gate(default: int | float | str, minimum: int, infinity: bool = False, auto
 
 @dataclass(frozen=True)
 class Policy:
-    """Save gates and prefill slicing for one model; the defaults are the guide's.
+    """Save gates and prefill slicing for one model; the defaults are the caching specification's.
 
     Values are validated on construction: whole numbers (token counts, milliseconds) at or above each
     field's minimum, `math.inf` where "infinity" makes sense, "auto" for `prefill_chunk_size`. The strings

@@ -80,7 +80,7 @@ class ModelCache:
     ) -> Found:
         """Tries every path and keeps the one that covers the most of the prompt.
 
-        Ties go to the cheaper path, in the guide's order: live, exact, resume, longest prefix.
+        Ties go to the cheaper route: live, exact, resume, longest prefix.
         """
         best = Found()
         for seq in idle:

@@ -1,9 +1,9 @@
 """Pure planning helpers for prefill: chunk sizes and byte offsets of token prefixes.
 
 llama.cpp evaluates a batch of exactly one token through a different kernel path than a larger
-batch, so a prefill that ends with a one-token chunk is not bit-identical to a cold prefill (see
-FACTS.md). Every chunk planned here is therefore at least two tokens long, unless the whole span is
-a single token.
+batch, so a prefill that ends with a one-token chunk is not bit-identical to a cold prefill (measured:
+logits differed by up to 0.45 and greedy output diverged). Every chunk planned here is therefore at
+least two tokens long, unless the whole span is a single token.
 """
 
 from __future__ import annotations

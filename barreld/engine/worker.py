@@ -250,7 +250,8 @@ class ModelWorker:
         return self.backend.tokenize_tail(rest) if rest else []
 
     def _settle(self, seq: Sequence, kept: int, target_len: int) -> int:
-        """Keeps at least two tokens to prefill unless stored logits cover the last position (FACTS.md)."""
+        """Keeps at least two tokens to prefill unless stored logits cover the last position: a one-token batch
+        takes another kernel path in llama.cpp, and its logits differ from a batched prefill's."""
         suffix = target_len - kept
         if suffix == 0 and seq.logits is not None and kept == len(seq.tokens):
             return kept

@@ -40,7 +40,7 @@ def check_watermarks(high_watermark: float, low_watermark: float) -> None:
 class PressureScheduler:
     """A daemon thread that polls `source` every `interval_ms` and evicts past `high_watermark`.
 
-    `enabled=False` (the default, as in the guide) makes `start()` do nothing; `status()` still answers.
+    `enabled=False` (the default) makes `start()` do nothing; `status()` still answers.
     `tick()` runs one poll synchronously, for tests and for the thread itself.
     """
 

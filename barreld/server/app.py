@@ -87,7 +87,7 @@ class Daemon:
                 log.error("config model %s not loaded: %s", m.name, exc)
 
     def _start_scheduler(self) -> PressureScheduler:
-        """Off by default, as in the guide; when on, it evicts cache rows from its tiers under pressure."""
+        """Off by default (memory is the operator's to manage); when on, it evicts rows from its tiers."""
         s = self.config.scheduler
         try:
             source = make_source(s.pressure_source)

@@ -31,7 +31,7 @@ root = "{tmp}/shm"
 quota = "50G"
 root = "{tmp}/kvc"
 
-[policy]   # the guide's gates, same names and defaults; per-model overrides via `load --policy`
+[policy]   # the specification's gates, same names and defaults; per-model overrides via `load --policy`
 min_tokens = 512
 cold_min_tokens = 512
 cold_max_tokens = 30000
@@ -156,7 +156,7 @@ def test_values_are_read(tmp_path: Path) -> None:
     assert model.path == gguf
     assert (model.tier, model.n_ctx, model.n_batch, model.n_seq_max) == ("ram", 8192, 256, 4)
     assert (model.fingerprint, model.fingerprint_digest) == ("fast_unsafe", "abc123")
-    # a model's table applies over the daemon's [policy], not over the guide's defaults
+    # a model's table applies over the daemon's [policy], not over the built-in defaults
     assert model.policy.min_tokens == 64
     assert model.policy.boundary_align_tokens == 256
     assert model.policy.prefill_chunk_size == math.inf

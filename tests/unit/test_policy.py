@@ -1,4 +1,4 @@
-"""The guide's policy gates: defaults, parsing of overrides, and the save/probe arithmetic."""
+"""The caching specification's policy gates: defaults, parsing of overrides, and the save/probe arithmetic."""
 
 import math
 
