@@ -1,21 +1,40 @@
-"""Connecting to barreld: find the socket, start the daemon when nobody answers, and wrap RPC errors."""
+"""The one client of barreld: find its socket, start it when nobody answers, and call it through typed
+methods. Every failed call raises ClientError, which carries the gRPC status, the daemon's message and
+the exit code the contract gives that status.
+
+grpc and the generated modules are imported on first use, so that `barrelctl --help` stays instant.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from barrelctl.errors import EXIT_UNREACHABLE, CliError, exit_code_for
+from barrelctl.errors import ClientError
 from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir
 
+if TYPE_CHECKING:
+    import grpc
+
+    from barreld.rpc import barrel_pb2 as pb
+
 READY_TIMEOUT = 60.0
-CALL_TIMEOUT = 10.0
+MAX_MESSAGE = 64 << 20  # a cache dump of many rows is larger than gRPC's 4 MiB default
+
+
+def _pb() -> Any:
+    from barreld.rpc import barrel_pb2
+
+    return barrel_pb2
 
 
 def _answers(path: Path, timeout: float = 1.0) -> bool:
@@ -33,21 +52,256 @@ def _answers(path: Path, timeout: float = 1.0) -> bool:
         channel.close()
 
 
-class Client:
-    """One channel to the daemon; `stub` is the generated Barrel stub."""
+def rpc_error(exc: grpc.RpcError) -> ClientError:
+    """The one mapping of a failed call; a refused connection reads as an unreachable daemon."""
+    status = exc.code().name
+    details = exc.details() or ""
+    if status == "UNAVAILABLE" and "connect" in details.lower():
+        return ClientError(status, details, f"barreld is not reachable: {details}")
+    return ClientError(status, details)
 
-    def __init__(self, socket: Path | None, *, autostart: bool) -> None:
+
+def _unreachable(message: str) -> ClientError:
+    return ClientError("UNAVAILABLE", "", message)
+
+
+def _mapped(events: Iterable[Any]) -> Iterator[Any]:
+    """The events of a streaming call, a failure part-way mapped like any other."""
+    import grpc
+
+    try:
+        yield from events
+    except grpc.RpcError as exc:
+        raise rpc_error(exc) from None
+
+
+@dataclass(frozen=True)
+class Started:
+    """The daemon has taken the request: how much of the prompt came warm, by which lookup route."""
+
+    route: str  # exact | resume | longest_prefix | live | miss
+    tier: str | None  # where a restored state came from; None when none came from a tier
+    restored: int
+    prefilled: int
+    prompt_tokens: int
+    prompt_key: str
+
+
+@dataclass(frozen=True)
+class Token:
+    text: bytes  # may split a UTF-8 character: concatenate before decoding
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished completion: the daemon's report, and the times this client saw."""
+
+    text: bytes
+    model: str
+    finish_reason: str  # stop | length | cancelled
+    key: str  # the next turn's parent_key
+    prompt_key: str
+    route: str
+    tier: str | None
+    restored: int
+    prefilled: int
+    prompt_tokens: int
+    completion_tokens: int
+    timings_ms: dict[str, float]  # the daemon's: lookup, restore, prefill, ttft, total
+    client_ttft_ms: float  # the call to its first token (to its end when no token carried text)
+    client_total_ms: float
+
+
+class CompletionStream:
+    """A Complete call in flight: iterating yields its Started and Token events as they arrive, `result()`
+    waits for its end, `cancel()` ends it early (the daemon then frees its place)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._t0 = time.perf_counter()
+        self._first: float | None = None
+        self._result: Completion | None = None
+
+    def __iter__(self) -> Iterator[Started | Token]:
+        for ev in _mapped(self._call):
+            kind = ev.WhichOneof("event")
+            if kind == "token":
+                if self._first is None:
+                    self._first = time.perf_counter()
+                yield Token(ev.token.text)
+            elif kind == "started":
+                s, c = ev.started, ev.started.cache
+                yield Started(c.path, c.tier or None, c.restored_tokens, c.prefilled_tokens, s.prompt_tokens,
+                              s.prompt_key)
+            else:
+                self._result = self._completion(ev.done)
+
+    def _completion(self, done: pb.CompleteDone) -> Completion:
+        end = time.perf_counter()
+        c, t = done.cache, done.timings_ms
+        return Completion(
+            text=done.text,
+            model=done.model,
+            finish_reason=done.finish_reason,
+            key=done.key,
+            prompt_key=done.prompt_key,
+            route=c.path,
+            tier=c.tier or None,
+            restored=c.restored_tokens,
+            prefilled=c.prefilled_tokens,
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            timings_ms={f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields},
+            client_ttft_ms=((self._first or end) - self._t0) * 1000,
+            client_total_ms=(end - self._t0) * 1000,
+        )
+
+    def result(self) -> Completion:
+        for _ in self:
+            pass
+        if self._result is None:
+            raise ClientError("UNKNOWN", "", "the daemon closed the stream without finishing the completion")
+        return self._result
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Client:
+    """One channel to one daemon, opened on the first call.
+
+    `socket` None means $BARREL_SOCKET, else the per-user default, falling back to the system daemon's
+    socket when only that one answers. `autostart` starts barreld in the background when none answers.
+    """
+
+    def __init__(self, socket: Path | None = None, *, autostart: bool = False) -> None:
         self.explicit = socket is not None or bool(os.environ.get("BARREL_SOCKET"))
         self.socket = socket or default_socket()
         self.autostart = autostart
-        self._channel = None
-        self._stub = None
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self._lock = threading.Lock()  # threads may share a client: one of them connects
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
-    def stub(self):
-        if self._stub is None:
-            self._connect()
-        return self._stub
+    def channel(self) -> grpc.Channel:
+        """The connected channel, for requests that no typed method builds (malformed bytes in tests)."""
+        self._connected()
+        return self._channel
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stub = None
+
+    # ---- the calls ----------------------------------------------------------------------------------
+
+    def complete(
+        self,
+        prompt: bytes,
+        *,
+        model: str = "",
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        parent_key: str = "",
+        chat: bool = False,
+        timeout: float | None = None,
+    ) -> CompletionStream:
+        """Starts a completion; None leaves max_tokens to the daemon's default and the sampler unseeded."""
+        request = _pb().CompleteRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                        seed=seed, stop=list(stop), parent_key=parent_key, chat=chat)
+        return CompletionStream(self._call("Complete", request, timeout))
+
+    def load(
+        self,
+        name: str,
+        *,
+        path: str = "",
+        tier: str = "",
+        n_ctx: int = 0,
+        n_batch: int = 0,
+        n_seq_max: int = 0,
+        policy: Mapping[str, str] | None = None,
+        fingerprint: str = "",
+        timeout: float | None = None,
+    ) -> pb.ModelInfo:
+        """Loads a model under `name`; an empty or zero field takes the daemon's default."""
+        request = _pb().LoadModelRequest(name=name, path=path, tier=tier, n_ctx=n_ctx, n_batch=n_batch,
+                                         n_seq_max=n_seq_max, policy=dict(policy or {}), fingerprint=fingerprint)
+        return self._call("LoadModel", request, timeout)
+
+    def unload(self, name: str, *, timeout: float | None = None) -> int:
+        """Frees a model after its shutdown saves; how many it saved."""
+        return self._call("UnloadModel", _pb().UnloadModelRequest(name=name), timeout).saved
+
+    def models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
+        return list(self._call("ListModels", _pb().ListModelsRequest(), timeout).models)
+
+    def cache_dump(self, *, model: str = "", tier: str = "", timeout: float | None = None) -> list[pb.CacheRow]:
+        return list(self._call("CacheDump", _pb().CacheDumpRequest(model=model, tier=tier), timeout).rows)
+
+    def cache_stats(self, *, timeout: float | None = None) -> pb.CacheStatsReply:
+        return self._call("CacheStats", _pb().CacheStatsRequest(), timeout)
+
+    def cache_gc(self, *, timeout: float | None = None) -> int:
+        """Evicts every unreferenced row; how many."""
+        return self._call("CacheGc", _pb().CacheGcRequest(), timeout).evicted
+
+    def cache_evict_bytes(
+        self, n: int, *, tiers: Sequence[str] = (), timeout: float | None = None
+    ) -> pb.CacheEvictBytesReply:
+        """Frees at least n bytes, least recently used first, from `tiers` (empty: every tier)."""
+        return self._call("CacheEvictBytes", _pb().CacheEvictBytesRequest(bytes=n, tiers=list(tiers)), timeout)
+
+    def cache_verify(
+        self, *, progress: Callable[[int, int], None] | None = None, timeout: float | None = None
+    ) -> pb.CacheVerifyResult:
+        """Re-reads every row (the daemon drops bad ones); `progress(done, total)` as it goes."""
+        result = None
+        for ev in _mapped(self._call("CacheVerify", _pb().CacheVerifyRequest(), timeout)):
+            if ev.WhichOneof("event") == "result":
+                result = ev.result
+            elif progress is not None:
+                progress(ev.progress.done, ev.progress.total)
+        if result is None:
+            raise ClientError("UNKNOWN", "", "the daemon closed the verify stream without a result")
+        return result
+
+    def scheduler_status(self, *, timeout: float | None = None) -> dict[str, Any]:
+        return json.loads(self._call("SchedulerStatus", _pb().SchedulerStatusRequest(), timeout).status_json)
+
+    def daemon_status(self, *, timeout: float | None = None) -> pb.DaemonStatusReply:
+        return self._call("DaemonStatus", _pb().DaemonStatusRequest(), timeout)
+
+    def shutdown(self, *, timeout: float | None = None) -> None:
+        """Asks the daemon to stop cleanly; it answers before it has gone."""
+        self._call("Shutdown", _pb().ShutdownRequest(), timeout)
+
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        import grpc
+
+        stub = self._connected()
+        try:
+            return getattr(stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+    # ---- finding the daemon -------------------------------------------------------------------------
+
+    def _connected(self) -> Any:
+        """The stub, connecting first when no call has yet."""
+        with self._lock:
+            if self._stub is None:
+                self._connect()
+            return self._stub
 
     def _connect(self) -> None:
         import grpc
@@ -60,12 +314,11 @@ class Client:
             elif self.autostart:
                 self._start_daemon()
             else:
-                raise CliError(
-                    f"no barreld answers on {self.socket}; start it with `barreld` or drop --no-autostart",
-                    EXIT_UNREACHABLE,
+                raise _unreachable(
+                    f"no barreld answers on {self.socket}; start it with `barreld` or drop --no-autostart"
                 )
         self._channel = grpc.insecure_channel(
-            f"unix:{self.socket}", options=[("grpc.max_receive_message_length", 64 << 20)]
+            f"unix:{self.socket}", options=[("grpc.max_receive_message_length", MAX_MESSAGE)]
         )
         self._stub = pb_grpc.BarrelStub(self._channel)
 
@@ -88,36 +341,19 @@ class Client:
                     stderr=log,
                     start_new_session=True,
                 )
-            deadline = time.monotonic() + READY_TIMEOUT
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                    raise CliError(
-                        f"barreld exited with code {proc.returncode} while starting: {tail[0]} (log: {log_path})",
-                        EXIT_UNREACHABLE,
-                    )
-                if _answers(self.socket, timeout=0.5):
-                    return
-                time.sleep(0.05)
-            raise CliError(
-                f"barreld did not become ready on {self.socket} within {READY_TIMEOUT:.0f}s (log: {log_path})",
-                EXIT_UNREACHABLE,
-            )
+            self._wait_started(proc, log_path)
 
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-
-
-@contextlib.contextmanager
-def rpc_errors() -> Iterator[None]:
-    """Turns an RpcError into a CliError carrying the daemon's message and the contract's exit code."""
-    import grpc
-
-    try:
-        yield
-    except grpc.RpcError as exc:
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower():
-            raise CliError(f"barreld is not reachable: {exc.details()}", EXIT_UNREACHABLE) from None
-        raise CliError(exc.details() or code.name.lower(), exit_code_for(code.name)) from None
+    def _wait_started(self, proc: subprocess.Popen, log_path: Path) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                raise _unreachable(
+                    f"barreld exited with code {proc.returncode} while starting: {tail[0]} (log: {log_path})"
+                )
+            if _answers(self.socket, timeout=0.5):
+                return
+            time.sleep(0.05)
+        raise _unreachable(
+            f"barreld did not become ready on {self.socket} within {READY_TIMEOUT:.0f}s (log: {log_path})"
+        )

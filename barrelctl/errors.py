@@ -23,3 +23,13 @@ def exit_code_for(status_name: str) -> int:
     if status_name == "UNAVAILABLE":
         return EXIT_UNREACHABLE
     return EXIT_FAILED
+
+
+class ClientError(CliError):
+    """A call to the daemon that failed: its gRPC status name (`status`), the daemon's own message
+    (`details`, empty when it sent none) and the exit code the contract gives that status."""
+
+    def __init__(self, status: str, details: str, message: str | None = None) -> None:
+        super().__init__(message or details or status.lower(), exit_code_for(status))
+        self.status = status
+        self.details = details

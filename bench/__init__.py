@@ -1,5 +1,5 @@
 """Barrel's benchmarks: real barreld processes, the real bundled model, llama-cpp-python's caches alongside.
 
 `python -m bench [--quick]` runs the whole suite and writes bench/RESULTS.md and the PNG plots;
-`python bench/warm_vs_cold.py` is the single 1,500-token warm-vs-cold comparison.
+`python -m bench.warm_vs_cold` is the single 1,500-token warm-vs-cold comparison.
 """

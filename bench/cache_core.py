@@ -9,7 +9,7 @@ Acceptance: a verified restore from the page cache reaches at least 0.5x the pla
 On a VM whose guest memory is backed lazily, writes into never-touched pages run several times slower
 than into recycled ones; the plain-write column shows which case a run hit.
 
-    python bench/cache_core.py [--size-mb 35] [--repeat 9] [--data-dir DIR] [--json]
+    python -m bench.cache_core [--size-mb 35] [--repeat 9] [--data-dir DIR] [--json]
 
 The disk tier lives in --data-dir (default: a temp dir under $TMPDIR, so put that on the disk you
 mean to measure); ram_file under /dev/shm. Everything it creates is removed at the end.
@@ -27,9 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from barreld.cache import (  # noqa: E402
+from barreld.cache import (
     CacheStore,
     Checkpoint,
     CtxParams,
@@ -37,7 +35,7 @@ from barreld.cache import (  # noqa: E402
     TierConfig,
     encoded_size,
 )
-from barreld.names import TIER_NAMES  # noqa: E402
+from barreld.names import TIER_NAMES
 
 SCHEME = KeyScheme(b"\x07" * 32, "Q4_1", CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False).encode())
 N_TOKENS = 1500

@@ -1,6 +1,6 @@
 """Concurrent requests: stream gaps while a long prompt prefills, and aggregate throughput.
 
-Run from the repository root: `python bench/concurrency.py` (about three minutes on two cores).
+Run from the repository root: `python -m bench.concurrency` (about three minutes on two cores).
 
 1. Three clients stream tokens while a fourth sends a ~3,000-token prompt. The longest gap between two
    tokens of the streaming clients is measured with prefill chunking on (the default,
@@ -12,20 +12,14 @@ Ratios are measured in the same run; absolute times depend on this machine.
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 
-import grpc
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from barreld.rpc import barrel_pb2 as pb  # noqa: E402
-from barreld.rpc import barrel_pb2_grpc as pb_grpc  # noqa: E402
-from tests.conftest import make_world  # noqa: E402
+from barrelctl.client import Client, Token
+from barrelctl.sandbox import Sandbox
 
 console = Console()
 WORDS = "river stone garden window letter morning silver the of and to in a is that for it as was".split()
@@ -36,9 +30,9 @@ def text(seed: int, words: int) -> bytes:
     return (f"{seed}: " + " ".join(r.choice(WORDS) for _ in range(words))).encode()
 
 
-def stream(stub, prompt: bytes, max_tokens: int, stamps: list[float]) -> None:
-    for ev in stub.Complete(pb.CompleteRequest(prompt=prompt, max_tokens=max_tokens)):
-        if ev.WhichOneof("event") == "token":
+def stream(client: Client, prompt: bytes, max_tokens: int, stamps: list[float]) -> None:
+    for ev in client.complete(prompt, max_tokens=max_tokens):
+        if isinstance(ev, Token):
             stamps.append(time.perf_counter())
 
 
@@ -48,18 +42,18 @@ def longest_gap(chunk: str) -> tuple[float, float]:
         f'[policy]\nmin_tokens = "infinity"\nprefill_chunk_size = "{chunk}"\n'
         '\n[[models]]\nname = "smollm2"\nn_seq_max = 4\n'
     )
-    with make_world(config) as w:
+    with Sandbox.new(config, label="bench") as w:
         w.start_daemon()
-        stub = pb_grpc.BarrelStub(grpc.insecure_channel(f"unix:{w.socket}"))
+        client = w.client()
         stamps: list[list[float]] = [[] for _ in range(3)]
-        streamers = [threading.Thread(target=stream, args=(stub, text(i, 20), 400, stamps[i])) for i in range(3)]
+        streamers = [threading.Thread(target=stream, args=(client, text(i, 20), 400, stamps[i])) for i in range(3)]
         for t in streamers:
             t.start()
         while min(len(s) for s in stamps) < 5:
             time.sleep(0.01)
         t0 = time.perf_counter()
         long_stamps: list[float] = []
-        stream(stub, text(99, 2300), 1, long_stamps)
+        stream(client, text(99, 2300), 1, long_stamps)
         t1 = long_stamps[0]
         for t in streamers:
             t.join()
@@ -69,12 +63,12 @@ def longest_gap(chunk: str) -> tuple[float, float]:
 
 def throughput(clients: int, tokens: int = 64) -> float:
     config = f'[policy]\nmin_tokens = "infinity"\n\n[[models]]\nname = "smollm2"\nn_seq_max = {clients}\n'
-    with make_world(config) as w:
+    with Sandbox.new(config, label="bench") as w:
         w.start_daemon()
-        stub = pb_grpc.BarrelStub(grpc.insecure_channel(f"unix:{w.socket}"))
+        client = w.client()
         stamps: list[list[float]] = [[] for _ in range(clients)]
         threads = [
-            threading.Thread(target=stream, args=(stub, text(50 + i, 30), tokens, stamps[i])) for i in range(clients)
+            threading.Thread(target=stream, args=(client, text(50 + i, 30), tokens, stamps[i])) for i in range(clients)
         ]
         t0 = time.perf_counter()
         for t in threads:

@@ -1,8 +1,8 @@
-"""What every bench needs: private barreld processes driven over gRPC, prompts of a given token length,
-progress lines, and a description of the machine.
+"""What every bench needs: private barreld processes driven through barrelctl's client, prompts of a given
+token length, progress lines, and a description of the machine.
 
-A `Daemon` gets its own directories (XDG dirs, data dir, a ram_file root under /dev/shm), its own config
-file and socket, exactly as tests/conftest.py sets up a world, so a bench never touches a user's cache.
+A `Daemon` runs in a barrelctl.sandbox.Sandbox (its own XDG dirs, data dir, ram_file root under /dev/shm,
+config file and socket), as the tests do, so a bench never touches a user's cache.
 """
 
 from __future__ import annotations
@@ -13,31 +13,21 @@ import importlib.util
 import os
 import platform
 import random
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from barrelctl.client import Client, Completion
+from barrelctl.sandbox import Sandbox
 
 # llama.cpp's CPU backend here is built with OpenMP. libgomp's default spin-wait (300,000 spins at every
 # barrier) makes a two-thread decode that shares two cores with other jobs burn its CPU share spinning:
 # llama-cpp-python ran 3-4x slower than barreld on this machine under load, while barreld was unaffected.
 # A short spin treats both alike. It must be set before llama.cpp is loaded; the daemons inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import grpc  # noqa: E402
-
-from barreld.rpc import barrel_pb2 as pb  # noqa: E402
-from barreld.rpc import barrel_pb2_grpc as pb_grpc  # noqa: E402
-from tests.conftest import World  # noqa: E402
 
 MODEL = "smollm2"
 _T0 = time.monotonic()
@@ -129,31 +119,9 @@ def quiet_stderr():
 # ---- the daemon -------------------------------------------------------------------------------------
 
 
-@dataclass
-class Completion:
-    """One Complete call as the client saw it, with the daemon's own report."""
-
-    text: bytes
-    key: str
-    prompt_key: str
-    path: str
-    tier: str
-    restored: int
-    prefilled: int
-    prompt_tokens: int
-    completion_tokens: int
-    client_ttft_ms: float  # submit to the first token event, measured here
-    client_total_ms: float  # submit to the done event, measured here
-    timings: dict[str, float] = field(default_factory=dict)  # the daemon's timings_ms
-
-    @property
-    def ttft_ms(self) -> float:
-        return self.timings.get("ttft", float("nan"))
-
-
-class Daemon(World):
-    """One barreld process in the private directories of a test World (paths and environment shared);
-    `with Daemon(...) as d:` starts it and cleans up."""
+class Daemon:
+    """One barreld in its own sandbox, the bundled model loaded with this daemon's tier and policy;
+    `with Daemon(...) as d:` starts it, and stops it and removes its directories at the end."""
 
     def __init__(self, name: str, *, tier: str = "disk", policy: dict[str, str] | None = None, n_seq_max: int = 1,
                  config: str = "", load: bool = True) -> None:
@@ -162,113 +130,52 @@ class Daemon(World):
         self.policy = {k: str(v) for k, v in (policy or {}).items()}
         self.n_seq_max = n_seq_max
         self.load_model = load
-        super().__init__(Path(tempfile.mkdtemp(prefix="bb", dir="/tmp")),
-                         Path(tempfile.mkdtemp(prefix="barrel-bench-", dir="/dev/shm")), config)
+        self.box = Sandbox.new(config, label="bench")
         self.proc: subprocess.Popen | None = None
-        self._channel: grpc.Channel | None = None
-        self.stub: pb_grpc.BarrelStub | None = None
+        self.client: Client | None = None
 
     def __enter__(self) -> Daemon:
-        self.config.write_text(f'[tiers.ram_file]\nroot = "{self.shm}"\n\n{self.extra_config}')
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        shutil.rmtree(self.base, ignore_errors=True)
-        shutil.rmtree(self.shm, ignore_errors=True)
+        self.box.close()
 
     def start(self, timeout: float = 120) -> None:
-        """Starts barreld, waits until it answers, then loads the model with this daemon's tier and policy."""
-        (self.base / "run").mkdir(mode=0o700, exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "barreld", "--socket", str(self.socket), "--config", str(self.config),
-                 "--log-level", "warning"],
-                env=self.env(), cwd=self.base, stdout=log, stderr=log,
-            )
-        self._channel = grpc.insecure_channel(f"unix:{self.socket}")
-        self.stub = pb_grpc.BarrelStub(self._channel)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"barreld exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                self.stub.DaemonStatus(pb.DaemonStatusRequest(), timeout=2)
-                break
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"barreld not ready after {timeout}s:\n{self.log.read_text()}") from None
-                time.sleep(0.1)
+        """Starts barreld, waits until it answers, then loads the model."""
+        self.proc = self.box.start_daemon("--log-level", "warning", timeout=timeout)
+        self.client = self.box.client()
         if self.load_model:
-            self.stub.LoadModel(
-                pb.LoadModelRequest(name=MODEL, tier=self.tier, n_ctx=4096, n_batch=512, n_seq_max=self.n_seq_max,
-                                    policy=self.policy),
-                timeout=120,
-            )
+            self.client.load(MODEL, tier=self.tier, n_ctx=4096, n_batch=512, n_seq_max=self.n_seq_max,
+                             policy=self.policy, timeout=120)
 
     def stop(self, timeout: float = 120) -> None:
         """SIGTERM (shutdown saves run), then wait; SIGKILL only if it does not exit in time."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = self.stub = None
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.proc is not None:
+            self.box.stop(self.proc, timeout)
         self.proc = None
 
     def restart(self) -> None:
         self.stop()
         self.start()
 
-    # calls
     def complete(self, prompt: str | bytes, *, max_tokens: int = 1, parent_key: str = "",
                  timeout: float = 600) -> Completion:
         data = prompt.encode() if isinstance(prompt, str) else prompt
-        req = pb.CompleteRequest(model=MODEL, prompt=data, max_tokens=max_tokens, temperature=0.0,
-                                 parent_key=parent_key)
-        t0 = time.perf_counter()
-        first = None
-        done = None
-        for ev in self.stub.Complete(req, timeout=timeout):
-            kind = ev.WhichOneof("event")
-            if kind == "token" and first is None:
-                first = time.perf_counter()
-            elif kind == "done":
-                done = ev.done
-        t1 = time.perf_counter()
-        if done is None:
-            raise RuntimeError("the stream ended without a done event")
-        if first is None:  # a first token whose text is empty (a special token) has no token event
-            first = t1
-        t = done.timings_ms
-        return Completion(
-            text=done.text,
-            key=done.key,
-            prompt_key=done.prompt_key,
-            path=done.cache.path,
-            tier=done.cache.tier,
-            restored=done.cache.restored_tokens,
-            prefilled=done.cache.prefilled_tokens,
-            prompt_tokens=done.prompt_tokens,
-            completion_tokens=done.completion_tokens,
-            client_ttft_ms=(first - t0) * 1000,
-            client_total_ms=(t1 - t0) * 1000,
-            timings={"lookup": t.lookup, "restore": t.restore, "prefill": t.prefill, "ttft": t.ttft,
-                     "total": t.total},
-        )
+        return self.client.complete(data, model=MODEL, max_tokens=max_tokens, parent_key=parent_key,
+                                    timeout=timeout).result()
 
-    def rows(self) -> list[pb.CacheRow]:
-        return list(self.stub.CacheDump(pb.CacheDumpRequest(), timeout=30).rows)
+    def rows(self) -> list:
+        return self.client.cache_dump(timeout=30)
 
     def counters(self) -> dict[str, int]:
-        return dict(self.stub.CacheStats(pb.CacheStatsRequest(), timeout=30).counters)
+        return dict(self.client.cache_stats(timeout=30).counters)
 
-    def wait_stored(self, key: str, timeout: float = 60) -> pb.CacheRow | None:
+    def wait_stored(self, key: str, timeout: float = 60):
         """Waits for the checkpoint `key` (a finish save is async) to be published; None if it never is."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -322,7 +229,7 @@ def machine() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "llama-cpp-python": version("llama-cpp-python"),
-        "barrel": barreld.__version__,
+        "barrel-kv": barreld.__version__,
         "grpcio": version("grpcio"),
         "model": model_path().name,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),

@@ -300,7 +300,7 @@ def write(out_dir: Path, s: Settings, m: dict, elapsed: float, ttft: TTFTSection
         *headline(s, ttft, chat, agent),
         "",
         "See also [warm_vs_cold.md](warm_vs_cold.md), the single-prompt comparison "
-        "(`python bench/warm_vs_cold.py`).",
+        "(`python -m bench.warm_vs_cold`).",
         "",
         "## 1. Cold vs warm time to first token",
         "",

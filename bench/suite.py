@@ -11,8 +11,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from barrelctl.client import Completion
 from barreld.names import TIER_NAMES
-from bench.harness import Completion, Daemon, Tokenizer, median, progress
+from bench.harness import Daemon, Tokenizer, median, progress
 from bench.llama_ref import CACHES, LlamaSystem
 from bench.traces import FULL_STEPS, QUICK_STEPS, Agent, agent_system, chat_system, chat_user, chatml, reply_text
 from bench.ttft import BarrelSystem, Results, TierCost, compare, prompts_for
@@ -76,7 +77,7 @@ class Turn:
 
     @classmethod
     def of(cls, i: int, c: Completion) -> Turn:
-        return cls(i, c.prompt_tokens, c.path, c.tier, c.restored, c.prefilled, c.client_ttft_ms, c.ttft_ms,
+        return cls(i, c.prompt_tokens, c.route, c.tier, c.restored, c.prefilled, c.client_ttft_ms, c.timings_ms["ttft"],
                    c.client_total_ms)
 
 
@@ -116,12 +117,12 @@ def section_chat(tok: Tokenizer, s: Settings) -> ChatSection:
             out.cached.append(Turn.of(turn + 1, c))
             cold.flush_live(turn)
             k = cold.complete(prompt, max_tokens=s.chat_reply_tokens)
-            if k.path != "miss":
-                raise RuntimeError(f"the no-cache daemon took path {k.path} on turn {turn + 1}")
+            if k.route != "miss":
+                raise RuntimeError(f"the no-cache daemon took path {k.route} on turn {turn + 1}")
             out.cold.append(Turn.of(turn + 1, k))
             messages.append(("assistant", reply_text(c.text)))
             progress(
-                f"  turn {turn + 1:2d}: {c.prompt_tokens:5d} tokens, {c.path:<14} restored {c.restored:5d}, "
+                f"  turn {turn + 1:2d}: {c.prompt_tokens:5d} tokens, {c.route:<14} restored {c.restored:5d}, "
                 f"prefilled {c.prefilled:5d}, ttft {c.client_ttft_ms:7.0f} ms (no cache: {k.client_ttft_ms:7.0f} ms)"
             )
         cold.stop()
@@ -131,7 +132,7 @@ def section_chat(tok: Tokenizer, s: Settings) -> ChatSection:
             c = cached.complete(prompt, max_tokens=s.chat_reply_tokens)
             out.restarted.append(Turn.of(i + 1, c))
             if i == 0:
-                progress(f"  after restart, turn 1: {c.path} from {c.tier or '-'}, restored {c.restored}, "
+                progress(f"  after restart, turn 1: {c.route} from {c.tier or '-'}, restored {c.restored}, "
                          f"ttft {c.client_ttft_ms:.0f} ms (it was {out.cached[0].ttft_ms:.0f} ms cold)")
     return out
 
@@ -185,7 +186,7 @@ def section_agent(tok: Tokenizer, s: Settings) -> AgentSection:
                     c = d.complete(prompt, max_tokens=24)
                     reply = reply if reply is not None else c.text
                     out.requests[st].append(AgentRequest(n, a.name, op, Turn.of(n, c)))
-                    line.append(f"stride {st}: {c.path} {c.restored}/{c.prompt_tokens} ({c.client_ttft_ms:.0f} ms)")
+                    line.append(f"stride {st}: {c.route} {c.restored}/{c.prompt_tokens} ({c.client_ttft_ms:.0f} ms)")
                 a.answered(reply_text(reply))
                 progress(f"  request {n:2d} agent {a.name} {op:<6} " + ", ".join(line))
     return out
@@ -212,7 +213,6 @@ def section_overhead(tok: Tokenizer, s: Settings) -> OverheadSection:
     from barreld.cache.policy import Policy
     from barreld.engine.registry import ModelRegistry
     from barreld.engine.request import CompletionParams, Done, Failed, Token
-    from barreld.rpc import barrel_pb2 as pb
 
     out = OverheadSection()
     reg = ModelRegistry(None, Policy())
@@ -235,7 +235,7 @@ def section_overhead(tok: Tokenizer, s: Settings) -> OverheadSection:
                 t1 = time.perf_counter()
                 c = d.complete(prompt, max_tokens=32)
                 r0 = time.perf_counter()
-                d.stub.DaemonStatus(pb.DaemonStatusRequest(), timeout=10)
+                d.client.daemon_status(timeout=10)
                 rt = (time.perf_counter() - r0) * 1000
                 if ev.completion_tokens != c.completion_tokens:
                     raise RuntimeError("in-process and socket completions generated different token counts")
@@ -245,7 +245,7 @@ def section_overhead(tok: Tokenizer, s: Settings) -> OverheadSection:
                 out.in_process_ttft_ms.append(((first or t1) - t0) * 1000)
                 out.socket_ms.append(c.client_total_ms)
                 out.socket_ttft_ms.append(c.client_ttft_ms)
-                out.daemon_total_ms.append(c.timings["total"])
+                out.daemon_total_ms.append(c.timings_ms["total"])
                 out.rpc_roundtrip_ms.append(rt)
                 out.prompt_tokens, out.completion_tokens = c.prompt_tokens, c.completion_tokens
     finally:

@@ -151,14 +151,15 @@ class BarrelSystem:
 
     @staticmethod
     def _sample(c) -> Sample:
-        return Sample(c.client_ttft_ms, c.client_total_ms, c.ttft_ms, c.timings["restore"], c.timings["prefill"],
-                      c.path, c.tier, c.prompt_tokens)
+        t = c.timings_ms
+        return Sample(c.client_ttft_ms, c.client_total_ms, t["ttft"], t["restore"], t["prefill"], c.route, c.tier,
+                      c.prompt_tokens)
 
     def cold(self, prompt: str) -> Sample:
         self._flush()  # the live sequence must not hold anything this prompt starts with
         c = self.daemon.complete(prompt)
-        if c.path != "miss":
-            raise RuntimeError(f"{self.name}: a never-seen prompt took path {c.path}, not miss")
+        if c.route != "miss":
+            raise RuntimeError(f"{self.name}: a never-seen prompt took path {c.route}, not miss")
         self._keys[prompt] = c.key
         return self._sample(c)
 
@@ -173,8 +174,8 @@ class BarrelSystem:
         if variant == self.DROPPED:
             drop_page_cache(self._rows[prompt])
         c = self.daemon.complete(prompt)
-        if c.path != "exact" or c.tier != self.tier:
-            raise RuntimeError(f"{self.name}: warm start took path {c.path} from {c.tier!r}, not exact")
+        if c.route != "exact" or c.tier != self.tier:
+            raise RuntimeError(f"{self.name}: warm start took path {c.route} from {c.tier!r}, not exact")
         return self._sample(c)
 
     def done(self, prompt: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import World, make_world
+from barrelctl.sandbox import Sandbox
 
 pytestmark = pytest.mark.model
 
@@ -41,35 +41,35 @@ def doc(i: int, n_words: int) -> str:
     return f"{chr(65 + i % 26)}{i}: " + " ".join(r.choice(WORDS) for _ in range(n_words))
 
 
-def complete(w: World, prompt: str, *args: str) -> dict:
+def complete(w: Sandbox, prompt: str, *args: str) -> dict:
     r = w.ctl("--json", "complete", "-", "--max-tokens", "12", *args, input=prompt.encode())
     assert r.rc == 0, r.err
     return r.json()
 
 
-def counters(w: World) -> dict:
+def counters(w: Sandbox) -> dict:
     return w.ctl("--json", "cache", "stats").json()["counters"]
 
 
-def reasons(w: World) -> set[str]:
+def reasons(w: Sandbox) -> set[str]:
     return {row["save_reason"] for row in w.ctl("--json", "cache", "dump").json()["rows"]}
 
 
 @pytest.fixture(scope="module")
 def warm():
-    with make_world(POLICY) as w:
+    with Sandbox.new(POLICY) as w:
         w.start_daemon()
         yield w
 
 
 @pytest.fixture(scope="module")
 def cold():
-    with make_world(NO_SAVES) as w:
+    with Sandbox.new(NO_SAVES) as w:
         w.start_daemon()
         yield w
 
 
-def test_warm_replies_equal_cold_replies_on_every_restore_path(warm: World, cold: World) -> None:
+def test_warm_replies_equal_cold_replies_on_every_restore_path(warm: Sandbox, cold: Sandbox) -> None:
     """exact, longest_prefix and resume hits on prefilled checkpoints reply exactly as a cold prefill."""
     docs = [doc(i, n) for i, n in enumerate(DOC_WORDS)]
     firsts = [complete(warm, d) for d in docs]
@@ -102,14 +102,14 @@ def test_live_turn_equals_restored_turn_after_restart() -> None:
     """Turn 2 served from the live sequence, and turn 2 served after a restart by restoring turn 1's
     finish checkpoint (generated tokens included), reply the same."""
     turn1 = doc(100, 600)
-    with make_world(POLICY) as w:
+    with Sandbox.new(POLICY) as w:
         w.start_daemon()
         first = complete(w, turn1)
         assert first["finish_reason"] == "length"
         turn2 = turn1 + first["text"] + "\nQuestion: what happened next?"
         live = complete(w, turn2)
         assert live["cache"]["path"] == "live"
-    with make_world(POLICY) as w:
+    with Sandbox.new(POLICY) as w:
         p = w.start_daemon()
         assert complete(w, turn1)["key"] == first["key"]
         p.send_signal(signal.SIGTERM)
@@ -122,35 +122,26 @@ def test_live_turn_equals_restored_turn_after_restart() -> None:
         assert restored["text"] == live["text"]
 
 
-def test_resume_waits_for_an_in_flight_finish_save(world: World) -> None:
+def test_resume_waits_for_an_in_flight_finish_save(world: Sandbox) -> None:
     """Two models share one key scheme (same GGUF and context): turn 2 on the second model can only
     resume from turn 1's finish checkpoint, which is still being written when it arrives."""
-    import grpc
-
-    from barreld.rpc import barrel_pb2 as pb
-    from barreld.rpc import barrel_pb2_grpc as pb_grpc
-
     world.write_config(POLICY + '\n[[models]]\nname = "a"\npath = "{p}"\n\n[[models]]\nname = "b"\npath = "{p}"\n'
                        .format(p=_bundled()))
     world.start_daemon()
-    stub = pb_grpc.BarrelStub(grpc.insecure_channel(f"unix:{world.socket}"))
+    client = world.client()
     waited = 0
     for attempt in range(3):
         text = doc(200 + attempt, 700)
-        done = [e.done for e in stub.Complete(pb.CompleteRequest(model="a", prompt=text.encode(), max_tokens=4))
-                if e.WhichOneof("event") == "done"][0]
+        done = client.complete(text.encode(), model="a", max_tokens=4).result()
         turn2 = (text.encode() + done.text + b" and after that")
-        ev = [e.done for e in stub.Complete(pb.CompleteRequest(model="b", prompt=turn2, max_tokens=4,
-                                                               parent_key=done.key))
-              if e.WhichOneof("event") == "done"][0]
-        assert ev.cache.path == "resume"
+        assert client.complete(turn2, model="b", max_tokens=4, parent_key=done.key).result().route == "resume"
         waited = counters(world)["resume_waits"]
         if waited:
             break
     assert waited >= 1
 
 
-def test_retokenised_prompt_with_the_same_bytes_hits(served_policy: World) -> None:
+def test_retokenised_prompt_with_the_same_bytes_hits(served_policy: Sandbox) -> None:
     """Sampled tokens are often not how their text tokenises: find a reply whose text tokenises to another
     count than its checkpoint holds. Keys are over bytes, so the next turn still resumes from it."""
     from barreld.engine.llama_backend import ContextSettings, LlamaBackend
@@ -175,12 +166,12 @@ def test_retokenised_prompt_with_the_same_bytes_hits(served_policy: World) -> No
 
 
 def test_every_save_reason_lands_in_the_index() -> None:
-    with make_world(POLICY) as w:
+    with Sandbox.new(POLICY) as w:
         w.start_daemon()
         complete(w, doc(400, 700), "--max-tokens", "20")      # cold (at 512), continued (at 16), finish
         assert {"cold", "continued", "finish"} <= reasons(w)
-    with make_world(POLICY) as w:
-        p = w.start_daemon(env={"BARREL_TEST_DROP_ASYNC_SAVES": "1"})
+    with Sandbox.new(POLICY) as w:
+        p = w.start_daemon("--drop-async-saves", module="tests.faultd")
         complete(w, doc(401, 700))
         complete(w, doc(402, 700))        # takes the only sequence: the first state is saved as evict
         assert "evict" in reasons(w)
@@ -191,7 +182,7 @@ def test_every_save_reason_lands_in_the_index() -> None:
         assert counters(w)["corrupt_files"] == 0
 
 
-def test_corrupt_checkpoint_is_never_restored(world: World) -> None:
+def test_corrupt_checkpoint_is_never_restored(world: Sandbox) -> None:
     world.write_config(POLICY)
     p = world.start_daemon()
     text = doc(500, 700)
@@ -213,7 +204,7 @@ def test_corrupt_checkpoint_is_never_restored(world: World) -> None:
 
 @pytest.fixture(scope="module")
 def served_policy():
-    with make_world(POLICY) as w:
+    with Sandbox.new(POLICY) as w:
         w.start_daemon()
         yield w
 

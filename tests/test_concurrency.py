@@ -6,12 +6,9 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
-from barreld.rpc import barrel_pb2 as pb
-from barreld.rpc import barrel_pb2_grpc as pb_grpc
-from tests.conftest import World, make_world
+from barrelctl.sandbox import Sandbox
 from tests.test_cache_paths import POLICY, complete, counters, doc
 
 pytestmark = pytest.mark.model
@@ -21,11 +18,11 @@ def with_model(n_seq_max: int, extra: str = "") -> str:
     return POLICY + extra + f'\n[[models]]\nname = "smollm2"\nn_seq_max = {n_seq_max}\n'
 
 
-def model_state(w: World) -> dict:
+def model_state(w: Sandbox) -> dict:
     return w.ctl("--json", "models").json()["models"][0]
 
 
-def wait_idle(w: World, timeout: float = 20) -> dict:
+def wait_idle(w: Sandbox, timeout: float = 20) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = model_state(w)
@@ -38,10 +35,10 @@ def test_four_clients_at_once_get_the_replies_they_would_get_alone() -> None:
     """Batches mixing sequences take other kernel paths than one sequence alone, so replies
     may drift after a while; they must start as the sequential replies do and be complete."""
     prompts = [doc(700 + i, 300) for i in range(4)]
-    with make_world(with_model(1)) as w:
+    with Sandbox.new(with_model(1)) as w:
         w.start_daemon()
         alone = [complete(w, p) for p in prompts]
-    with make_world(with_model(4)) as w:
+    with Sandbox.new(with_model(4)) as w:
         w.start_daemon()
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(lambda p: complete(w, p), prompts))
@@ -63,7 +60,7 @@ def test_four_clients_at_once_get_the_replies_they_would_get_alone() -> None:
 
 
 def test_queue_bound_answers_resource_exhausted() -> None:
-    with make_world(with_model(1, "\n[daemon]\nmax_queue = 1\n")) as w:
+    with Sandbox.new(with_model(1, "\n[daemon]\nmax_queue = 1\n")) as w:
         w.start_daemon()
         long = [w.ctl_popen("complete", doc(800 + i, 200), "--max-tokens", "400") for i in range(2)]
         time.sleep(1.5)   # one running, one queued
@@ -77,7 +74,7 @@ def test_queue_bound_answers_resource_exhausted() -> None:
 
 
 def test_two_sequences_three_conversations_every_later_turn_is_warm() -> None:
-    with make_world(with_model(2)) as w:
+    with Sandbox.new(with_model(2)) as w:
         w.start_daemon()
         history = {c: doc(900 + c, 560) for c in range(3)}
         paths = []
@@ -93,13 +90,13 @@ def test_two_sequences_three_conversations_every_later_turn_is_warm() -> None:
         assert len(paths) == 6
 
 
-def test_disconnects_while_queued_and_mid_stream_free_their_places(world: World) -> None:
+def test_disconnects_while_queued_and_mid_stream_free_their_places(world: Sandbox) -> None:
     world.write_config(with_model(1))
     world.start_daemon()
-    stub = pb_grpc.BarrelStub(grpc.insecure_channel(f"unix:{world.socket}"))
-    running = stub.Complete(pb.CompleteRequest(prompt=doc(1000, 200).encode(), max_tokens=2000))
+    client = world.client()
+    running = client.complete(doc(1000, 200).encode(), max_tokens=2000)
     next(iter(running))                                    # started: it holds the only sequence
-    queued = stub.Complete(pb.CompleteRequest(prompt=doc(1001, 200).encode(), max_tokens=2000))
+    queued = client.complete(doc(1001, 200).encode(), max_tokens=2000)
     deadline = time.monotonic() + 10
     while model_state(world)["queued"] != 1 and time.monotonic() < deadline:
         time.sleep(0.05)

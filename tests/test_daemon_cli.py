@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import World
+from barrelctl.sandbox import Sandbox
 
 pytestmark = pytest.mark.model
 
 
-def test_autostart_streams_a_reply_and_leaves_the_daemon_running(world: World) -> None:
+def test_autostart_streams_a_reply_and_leaves_the_daemon_running(world: Sandbox) -> None:
     r = world.ctl("complete", "Why is the sky blue?", "--max-tokens", "24")
     assert r.rc == 0, r.err
     assert len(r.out.strip()) > 10
@@ -34,7 +34,7 @@ def test_autostart_streams_a_reply_and_leaves_the_daemon_running(world: World) -
     assert str(pids[0]) in human.out and "data dir" in human.out
 
 
-def test_five_racing_autostarts_end_with_one_daemon(world: World) -> None:
+def test_five_racing_autostarts_end_with_one_daemon(world: Sandbox) -> None:
     def one(i: int):
         return world.ctl("complete", f"Count to {i}:", "--max-tokens", "8")
 
@@ -45,7 +45,7 @@ def test_five_racing_autostarts_end_with_one_daemon(world: World) -> None:
     assert len(world.daemon_pids()) == 1
 
 
-def test_greedy_is_deterministic_and_json_has_the_contract_shape(served: World) -> None:
+def test_greedy_is_deterministic_and_json_has_the_contract_shape(served: Sandbox) -> None:
     args = ("complete", "Write one sentence about the sea.", "--max-tokens", "20", "--temperature", "0")
     a, b = served.ctl(*args), served.ctl(*args)
     assert a.rc == b.rc == 0
@@ -69,7 +69,7 @@ def test_greedy_is_deterministic_and_json_has_the_contract_shape(served: World) 
     assert served.ctl(*args, "--json").json()["text"] == doc["text"]
 
 
-def test_seeded_sampling_repeats_and_chat_uses_the_template(served: World) -> None:
+def test_seeded_sampling_repeats_and_chat_uses_the_template(served: Sandbox) -> None:
     args = ("complete", "Name a colour.", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7", "--json")
     assert served.ctl(*args).json()["text"] == served.ctl(*args).json()["text"]
     chat = served.ctl("--json", "complete", "--chat", "What is 2+2?", "--max-tokens", "16").json()
@@ -77,7 +77,7 @@ def test_seeded_sampling_repeats_and_chat_uses_the_template(served: World) -> No
     assert chat["tokens"]["prompt"] > plain["tokens"]["prompt"] + 10   # the template's system and role markers
 
 
-def test_stop_string_and_stdin_prompt(served: World) -> None:
+def test_stop_string_and_stdin_prompt(served: Sandbox) -> None:
     r = served.ctl("--json", "complete", "-", "--max-tokens", "40", "--stop", ",", "--stop", ".",
                    input=b"List three fruits: apples")
     doc = r.json()
@@ -96,7 +96,7 @@ def test_stop_string_and_stdin_prompt(served: World) -> None:
         (("load", "m3", "--n-ctx", "0"), 2, "n-ctx"),
     ],
 )
-def test_bad_input_is_one_line_with_the_contract_code(served: World, args, code, needle) -> None:
+def test_bad_input_is_one_line_with_the_contract_code(served: Sandbox, args, code, needle) -> None:
     r = served.ctl(*args)
     assert r.rc == code, (r.rc, r.err)
     lines = r.err.strip().splitlines()
@@ -106,7 +106,7 @@ def test_bad_input_is_one_line_with_the_contract_code(served: World, args, code,
     assert served.ctl("complete", "Still there?", "--max-tokens", "4").rc == 0
 
 
-def test_random_bytes_gguf_and_overlong_prompt_are_refused(served: World, tmp_path) -> None:
+def test_random_bytes_gguf_and_overlong_prompt_are_refused(served: Sandbox, tmp_path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(os.urandom(4096))
     r = served.ctl("load", "junk", "--path", str(junk))
@@ -123,7 +123,7 @@ def test_random_bytes_gguf_and_overlong_prompt_are_refused(served: World, tmp_pa
     assert served.ctl("complete", "ok?", "--max-tokens", "4").rc == 0
 
 
-def test_no_autostart_without_daemon_exits_3(world: World) -> None:
+def test_no_autostart_without_daemon_exits_3(world: Sandbox) -> None:
     r = world.ctl("--no-autostart", "complete", "hi")
     assert r.rc == 3
     assert len(r.err.strip().splitlines()) == 1
@@ -131,7 +131,7 @@ def test_no_autostart_without_daemon_exits_3(world: World) -> None:
     assert world.ctl("--no-autostart", "daemon", "status").rc == 3
 
 
-def test_socket_is_private_and_a_second_daemon_is_refused(served: World) -> None:
+def test_socket_is_private_and_a_second_daemon_is_refused(served: Sandbox) -> None:
     st = served.socket.stat()
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
@@ -145,7 +145,7 @@ def test_socket_is_private_and_a_second_daemon_is_refused(served: World) -> None
     assert len(p.stderr.decode().strip().splitlines()) == 1
 
 
-def test_ctrl_c_mid_stream_cancels_in_the_daemon(served: World) -> None:
+def test_ctrl_c_mid_stream_cancels_in_the_daemon(served: Sandbox) -> None:
     proc = served.ctl_popen("complete", "Write a very long story about a dragon.", "--max-tokens", "2000")
     first = proc.stdout.read(20)
     assert first
@@ -163,7 +163,7 @@ def test_ctrl_c_mid_stream_cancels_in_the_daemon(served: World) -> None:
     assert r.json()["tokens"]["completion"] >= 1
 
 
-def test_sigterm_exits_0_and_removes_the_socket(world: World) -> None:
+def test_sigterm_exits_0_and_removes_the_socket(world: Sandbox) -> None:
     p = world.start_daemon()
     assert world.ctl("complete", "hello", "--max-tokens", "4").rc == 0
     p.send_signal(signal.SIGTERM)
@@ -171,7 +171,7 @@ def test_sigterm_exits_0_and_removes_the_socket(world: World) -> None:
     assert not world.socket.exists()
 
 
-def test_daemon_stop_command(world: World) -> None:
+def test_daemon_stop_command(world: Sandbox) -> None:
     world.start_daemon()
     r = world.ctl("daemon", "stop")
     assert r.rc == 0, r.err
@@ -179,7 +179,7 @@ def test_daemon_stop_command(world: World) -> None:
     assert not world.socket.exists()
 
 
-def test_socket_group_opens_the_socket_to_that_group(world: World) -> None:
+def test_socket_group_opens_the_socket_to_that_group(world: Sandbox) -> None:
     import grp
 
     group = grp.getgrgid(os.getgid()).gr_name

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from barrelctl.sandbox import Run, Sandbox
 from barreld.names import TIER_NAMES
-from tests.conftest import Run, World, make_world
 from tests.test_cache_paths import POLICY, doc
 
 needs_model = pytest.mark.model   # the rest run barreld without loading a model
@@ -57,7 +57,7 @@ def _bundled() -> str:
 
 
 def _config() -> str:
-    # World.write_config opens the file with `[tiers.ram_file]` and its private root: the quota joins it.
+    # Sandbox.write_config opens the file with `[tiers.ram_file]` and its private root: the quota joins it.
     models = "".join(
         f'\n[[models]]\nname = "{name}"\npath = "{_bundled()}"\ntier = "{tier}"\n' for name, tier in MODEL_TIER.items()
     )
@@ -73,16 +73,16 @@ def ok(run: Run) -> Run:
     return run
 
 
-def dump(w: World, *args: str) -> list[dict]:
+def dump(w: Sandbox, *args: str) -> list[dict]:
     return ok(w.ctl("--json", "cache", "dump", *args)).json()["rows"]
 
 
-def complete(w: World, model: str, i: int) -> dict:
+def complete(w: Sandbox, model: str, i: int) -> dict:
     r = ok(w.ctl("--json", "complete", "-", "--model", model, "--max-tokens", "8", input=doc(i, 520).encode()))
     return r.json()
 
 
-def settle(w: World, keys: list[str], timeout: float = 30) -> list[dict]:
+def settle(w: Sandbox, keys: list[str], timeout: float = 30) -> list[dict]:
     """The dump once every finish checkpoint in `keys` is indexed and no save is still in flight."""
     deadline = time.monotonic() + timeout
     while True:
@@ -103,7 +103,7 @@ def one_line(run: Run) -> str:
 
 @pytest.fixture(scope="module")
 def ops():
-    with make_world(_config()) as w:
+    with Sandbox.new(_config()) as w:
         w.start_daemon()
         keys = [complete(w, model, i)["key"] for i, model in enumerate(MODEL_TIER)]
         w.finish_keys = keys
@@ -115,7 +115,7 @@ def ops():
 
 
 @needs_model
-def test_dump_json_lists_every_row_with_every_contract_field(ops: World) -> None:
+def test_dump_json_lists_every_row_with_every_contract_field(ops: Sandbox) -> None:
     rows = dump(ops)
     assert {r["key"] for r in rows} >= set(ops.finish_keys)
     assert {r["tier"] for r in rows} == set(TIER_NAMES)
@@ -141,7 +141,7 @@ def test_dump_json_lists_every_row_with_every_contract_field(ops: World) -> None
 
 
 @needs_model
-def test_dump_filters_by_model_and_tier(ops: World) -> None:
+def test_dump_filters_by_model_and_tier(ops: Sandbox) -> None:
     rows = dump(ops)
     assert dump(ops, "--model", "f") == [r for r in rows if r["model"] == "f"] != []
     by_tier = ok(ops.ctl("cache", "dump", "--tier", "disk", "--json")).json()["rows"]   # --json after the command
@@ -150,7 +150,7 @@ def test_dump_filters_by_model_and_tier(ops: World) -> None:
 
 
 @needs_model
-def test_dump_human_table(ops: World) -> None:
+def test_dump_human_table(ops: Sandbox) -> None:
     rows = dump(ops)
     wide = ok(ops.ctl("cache", "dump", COLUMNS="200")).out
     assert f"{len(rows)} rows" in wide
@@ -164,7 +164,7 @@ def test_dump_human_table(ops: World) -> None:
 
 
 @needs_model
-def test_stats_counts_and_per_tier_bytes_against_quota(ops: World) -> None:
+def test_stats_counts_and_per_tier_bytes_against_quota(ops: Sandbox) -> None:
     rows = dump(ops)
     doc_ = ok(ops.ctl("--json", "cache", "stats")).json()
     assert set(doc_) == {"counters", "tiers"}
@@ -189,7 +189,7 @@ def test_stats_counts_and_per_tier_bytes_against_quota(ops: World) -> None:
 
 
 @needs_model
-def test_verify_reports_and_drops_a_corrupted_file(ops: World) -> None:
+def test_verify_reports_and_drops_a_corrupted_file(ops: Sandbox) -> None:
     clean = ok(ops.ctl("--json", "cache", "verify")).json()
     rows = dump(ops)
     assert clean == {"checked": len(rows), "bad": []}
@@ -212,7 +212,7 @@ def test_verify_reports_and_drops_a_corrupted_file(ops: World) -> None:
 
 
 @needs_model
-def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: World) -> None:
+def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: Sandbox) -> None:
     before = dump(ops)
     disk = [r for r in before if r["tier"] == "disk" and r["refcount"] == 0]
     assert disk
@@ -229,7 +229,7 @@ def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: World) 
 
 
 @needs_model
-def test_evict_bytes_256m_frees_what_it_says_across_tiers(ops: World) -> None:
+def test_evict_bytes_256m_frees_what_it_says_across_tiers(ops: Sandbox) -> None:
     before = dump(ops)
     total = sum(r["size"] for r in before)
     assert 0 < total < 256 << 20   # less than asked for: it frees every unheld row
@@ -250,7 +250,7 @@ def test_evict_bytes_256m_frees_what_it_says_across_tiers(ops: World) -> None:
 
 
 @needs_model
-def test_gc_evicts_every_unreferenced_row(ops: World) -> None:
+def test_gc_evicts_every_unreferenced_row(ops: Sandbox) -> None:
     before = settle(ops, [complete(ops, "f", 5)["key"]])
     unreferenced = [r for r in before if r["refcount"] == 0]
     assert len(unreferenced) >= 2
@@ -282,7 +282,7 @@ def test_gc_evicts_every_unreferenced_row(ops: World) -> None:
         (("cache", "dump", "--tier", "tape"), "tape"),
     ],
 )
-def test_bad_size_or_tier_exits_2_naming_the_value(world: World, args, needle) -> None:
+def test_bad_size_or_tier_exits_2_naming_the_value(world: Sandbox, args, needle) -> None:
     """Checked before any daemon is asked: with no daemon and no autostart it is still 2, not 3."""
     r = world.ctl("--no-autostart", *args)
     assert r.rc == 2, (r.rc, r.err)
@@ -290,7 +290,7 @@ def test_bad_size_or_tier_exits_2_naming_the_value(world: World, args, needle) -
     assert world.daemon_pids() == []
 
 
-def test_evict_bytes_needs_a_size(world: World) -> None:
+def test_evict_bytes_needs_a_size(world: Sandbox) -> None:
     r = world.ctl("--no-autostart", "cache", "evict-bytes")
     assert r.rc == 2 and "size" in one_line(r).lower()
 
@@ -373,7 +373,7 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
 # ---- systemd readiness ----------------------------------------------------------------------------
 
 
-def test_ready_is_notified_once_the_socket_answers(world: World) -> None:
+def test_ready_is_notified_once_the_socket_answers(world: Sandbox) -> None:
     """Type=notify in the unit relies on this: READY=1 on $NOTIFY_SOCKET after the socket is up."""
     notify = world.base / "notify"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:

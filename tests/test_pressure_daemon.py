@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import World, make_world
+from barrelctl.sandbox import Sandbox
 from tests.test_cache_paths import POLICY, complete, doc
 
 pytestmark = pytest.mark.model
@@ -34,18 +34,18 @@ def bundled() -> str:
     return str(bundled_model_path("smollm2"))
 
 
-def status(w: World) -> dict:
+def status(w: Sandbox) -> dict:
     r = w.ctl("--json", "scheduler", "status")
     assert r.rc == 0, r.err
     return r.json()
 
 
-def rows(w: World) -> list[dict]:
+def rows(w: Sandbox) -> list[dict]:
     return w.ctl("--json", "cache", "dump").json()["rows"]
 
 
 def test_crossing_the_high_watermark_evicts_ram_tiers_only() -> None:
-    with make_world() as w:
+    with Sandbox.new() as w:
         (w.base / "pyextra").mkdir()
         (w.base / "pyextra" / "pressure_probe.py").write_text(PROBE)
         pressure = w.base / "pressure"
@@ -85,7 +85,7 @@ low_watermark = 0.75
 
 
 def test_evicting_ram_rows_gives_memory_back_to_the_os() -> None:
-    with make_world(POLICY + '\n[tiers.ram]\nquota = "1G"\n' + models(bundled())) as w:
+    with Sandbox.new(POLICY + '\n[tiers.ram]\nquota = "1G"\n' + models(bundled())) as w:
         w.start_daemon()
         pid = json.loads(w.ctl("--json", "daemon", "status").out)["pid"]
         i = 0
@@ -104,7 +104,7 @@ def test_evicting_ram_rows_gives_memory_back_to_the_os() -> None:
 
 
 def test_nvidia_smi_without_the_tool_reports_unavailable() -> None:
-    with make_world('\n[scheduler]\nenabled = true\npressure_source = "nvidia_smi"\ninterval_ms = 100\n') as w:
+    with Sandbox.new('\n[scheduler]\nenabled = true\npressure_source = "nvidia_smi"\ninterval_ms = 100\n') as w:
         w.start_daemon(env={"PATH": "/nonexistent"})
         deadline = time.monotonic() + 10
         while status(w).get("available") is None and time.monotonic() < deadline:

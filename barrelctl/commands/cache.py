@@ -7,7 +7,6 @@ from typing import Annotated
 import typer
 
 from barrelctl import render, state
-from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
 from barreld.names import TIER_NAMES
@@ -36,12 +35,7 @@ def cache_dump(
     json_out: JsonOpt = False,
 ) -> None:
     """List every index row."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    req = pb.CacheDumpRequest(model=model or "", tier=_tier(tier))
-    with rpc_errors():
-        reply = state.client().stub.CacheDump(req)
-    rows = [row_json(r) for r in reply.rows]
+    rows = [row_json(r) for r in state.client().cache_dump(model=model or "", tier=_tier(tier))]
     if state.want_json(json_out):
         render.print_json({"rows": rows})
         return
@@ -69,10 +63,7 @@ def cache_dump(
 @app.command("stats")
 def cache_stats(json_out: JsonOpt = False) -> None:
     """Show the counters and per-tier usage against quota."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    with rpc_errors():
-        reply = state.client().stub.CacheStats(pb.CacheStatsRequest())
+    reply = state.client().cache_stats()
     counters = dict(sorted(reply.counters.items()))
     tiers = {name: {"bytes": t.bytes, "quota": t.quota, "rows": t.rows} for name, t in reply.tiers.items()}
     if state.want_json(json_out):
@@ -104,14 +95,11 @@ def cache_stats(json_out: JsonOpt = False) -> None:
 @app.command("gc")
 def cache_gc(json_out: JsonOpt = False) -> None:
     """Evict every unreferenced row."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    with rpc_errors():
-        reply = state.client().stub.CacheGc(pb.CacheGcRequest())
+    evicted = state.client().cache_gc()
     if state.want_json(json_out):
-        render.print_json({"evicted": reply.evicted})
+        render.print_json({"evicted": evicted})
     else:
-        render.out.print(f"evicted {reply.evicted} rows")
+        render.out.print(f"evicted {evicted} rows")
 
 
 @app.command("evict-bytes")
@@ -125,15 +113,12 @@ def cache_evict_bytes(
     json_out: JsonOpt = False,
 ) -> None:
     """Free at least SIZE bytes, least recently used first."""
-    from barreld.rpc import barrel_pb2 as pb
-
     try:
         n = parse_size(size)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     tiers = [_tier(t) for t in tier or []]
-    with rpc_errors():
-        reply = state.client().stub.CacheEvictBytes(pb.CacheEvictBytesRequest(bytes=n, tiers=tiers))
+    reply = state.client().cache_evict_bytes(n, tiers=tiers)
     if state.want_json(json_out):
         render.print_json({"evicted": reply.evicted, "bytes_freed": reply.bytes_freed})
     else:
@@ -145,19 +130,12 @@ def cache_verify(json_out: JsonOpt = False) -> None:
     """Re-read every row's file, check it, drop and report bad ones."""
     from rich.progress import Progress
 
-    from barreld.rpc import barrel_pb2 as pb
-
     as_json = state.want_json(json_out)
-    result = None
-    with rpc_errors(), Progress(console=render.err, transient=True, disable=as_json) as progress:
+    with Progress(console=render.err, transient=True, disable=as_json) as progress:
         task = progress.add_task("verifying", total=None)
-        for ev in state.client().stub.CacheVerify(pb.CacheVerifyRequest()):
-            if ev.WhichOneof("event") == "progress":
-                progress.update(task, completed=ev.progress.done, total=ev.progress.total)
-            else:
-                result = ev.result
-    if result is None:
-        raise CliError("the daemon closed the verify stream without a result")
+        result = state.client().cache_verify(
+            progress=lambda done, total: progress.update(task, completed=done, total=total)
+        )
     if as_json:
         render.print_json({"checked": result.checked, "bad": list(result.bad)})
         return

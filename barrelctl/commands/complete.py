@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
 
 from barrelctl import render, state
-from barrelctl.client import rpc_errors
+from barrelctl.client import Completion, CompletionStream, Token
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
 
@@ -21,8 +22,8 @@ def _read_prompt(prompt: str | None) -> bytes:
     return prompt.encode("utf-8", "surrogateescape")
 
 
-def done_json(done) -> dict:
-    c, t = done.cache, done.timings_ms
+def done_json(done: Completion) -> dict:
+    """The contract's completion document."""
     return {
         "text": done.text.decode("utf-8", "replace"),
         "model": done.model,
@@ -30,20 +31,56 @@ def done_json(done) -> dict:
         "key": done.key,
         "prompt_key": done.prompt_key,
         "cache": {
-            "path": c.path,
-            "restored_tokens": c.restored_tokens,
-            "prefilled_tokens": c.prefilled_tokens,
-            "tier": c.tier or None,
+            "path": done.route,
+            "restored_tokens": done.restored,
+            "prefilled_tokens": done.prefilled,
+            "tier": done.tier,
         },
         "tokens": {"prompt": done.prompt_tokens, "completion": done.completion_tokens},
-        "timings_ms": {
-            "lookup": t.lookup,
-            "restore": t.restore,
-            "prefill": t.prefill,
-            "ttft": t.ttft,
-            "total": t.total,
-        },
+        "timings_ms": dict(done.timings_ms),
     }
+
+
+def _check(max_tokens: int, temperature: float, seed: int | None) -> None:
+    if max_tokens < 1:
+        raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
+    if temperature < 0:
+        raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
+    if seed is not None and not 0 <= seed < 2**32:
+        raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
+
+
+def _stream(start: Callable[[], CompletionStream], as_json: bool) -> Completion:
+    """Runs the call, writing tokens to stdout as they come (unless JSON), a spinner on a terminal until the
+    first event; Ctrl-C cancels the request in the daemon too."""
+    status = None
+    if not as_json and sys.stderr.isatty():
+        status = render.err.status("waiting for the model…")
+        status.start()
+    stream = None
+    wrote_newline = True
+    try:
+        stream = start()
+        for ev in stream:
+            if status is not None:
+                status.stop()
+                status = None
+            if isinstance(ev, Token) and not as_json:
+                sys.stdout.buffer.write(ev.text)
+                sys.stdout.buffer.flush()
+                wrote_newline = ev.text.endswith(b"\n")
+        done = stream.result()
+    except KeyboardInterrupt:
+        if stream is not None:
+            stream.cancel()
+        raise
+    finally:
+        if status is not None:
+            status.stop()
+    if not as_json and not wrote_newline:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return done
 
 
 def complete_run(
@@ -68,62 +105,16 @@ def complete_run(
     json_out: JsonOpt = False,
 ) -> None:
     """Stream a completion of PROMPT to stdout."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    if max_tokens < 1:
-        raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
-    if temperature < 0:
-        raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
-    if seed is not None and not 0 <= seed < 2**32:
-        raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
+    _check(max_tokens, temperature, seed)
     as_json = state.want_json(json_out)
-    request = pb.CompleteRequest(
-        model=model or "",
-        prompt=_read_prompt(prompt),
-        max_tokens=max_tokens,
-        temperature=temperature,
-        stop=stop or [],
-        parent_key=parent_key or "",
-        chat=chat,
+    text = _read_prompt(prompt)
+    done = _stream(
+        lambda: state.client().complete(text, model=model or "", max_tokens=max_tokens, temperature=temperature,
+                                        seed=seed, stop=stop or [], parent_key=parent_key or "", chat=chat),
+        as_json,
     )
-    if seed is not None:
-        request.seed = seed
-    client = state.client()
-    done = None
-    status = None
-    if not as_json and sys.stderr.isatty():
-        status = render.err.status("waiting for the model…")
-        status.start()
-    call = None
-    wrote_newline = True
-    try:
-        with rpc_errors():
-            call = client.stub.Complete(request)
-            for ev in call:
-                kind = ev.WhichOneof("event")
-                if status is not None:
-                    status.stop()
-                    status = None
-                if kind == "token" and not as_json:
-                    sys.stdout.buffer.write(ev.token.text)
-                    sys.stdout.buffer.flush()
-                    wrote_newline = ev.token.text.endswith(b"\n")
-                elif kind == "done":
-                    done = ev.done
-    except KeyboardInterrupt:
-        if call is not None:
-            call.cancel()
-        raise
-    finally:
-        if status is not None:
-            status.stop()
-    if done is None:
-        raise CliError("the daemon closed the stream without finishing the completion")
     if as_json:
         render.print_json(done_json(done))
-    elif not wrote_newline:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
 
 
 def register(app: typer.Typer) -> None:

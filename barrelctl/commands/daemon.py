@@ -8,25 +8,17 @@ import psutil
 import typer
 
 from barrelctl import render, state
-from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_UNREACHABLE, CliError
 from barrelctl.state import JsonOpt
 
 app = typer.Typer(help="Is barreld up; stop it cleanly.", no_args_is_help=True)
 
 
-def _status(timeout: float):
-    from barreld.rpc import barrel_pb2 as pb
-
-    with rpc_errors():
-        return state.client().stub.DaemonStatus(pb.DaemonStatusRequest(), timeout=timeout)
-
-
 @app.command("status")
 def daemon_status(json_out: JsonOpt = False) -> None:
     """Show pid, uptime, socket, data dir and version (exit 3 when no daemon answers)."""
     state.options.autostart = False
-    s = _status(5.0)
+    s = state.client().daemon_status(timeout=5.0)
     doc = {
         "running": True,
         "pid": s.pid,
@@ -57,13 +49,10 @@ def daemon_status(json_out: JsonOpt = False) -> None:
 @app.command("stop")
 def daemon_stop(json_out: JsonOpt = False) -> None:
     """Ask barreld to shut down cleanly and wait until it has gone."""
-    from barreld.rpc import barrel_pb2 as pb
-
     state.options.autostart = False
     client = state.client()
-    pid = _status(5.0).pid
-    with rpc_errors():
-        client.stub.Shutdown(pb.ShutdownRequest(), timeout=5.0)
+    pid = client.daemon_status(timeout=5.0).pid
+    client.shutdown(timeout=5.0)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from barrelctl import render, state
-from barrelctl.client import rpc_errors
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
 from barreld.names import TIER_NAMES
@@ -62,16 +61,14 @@ def model_load(
     json_out: JsonOpt = False,
 ) -> None:
     """Load a model under NAME."""
-    from barreld.rpc import barrel_pb2 as pb
-
     if tier is not None and tier not in TIER_NAMES:
         raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
     for flag, value in (("--n-ctx", n_ctx), ("--n-batch", n_batch), ("--n-seq-max", n_seq_max)):
         if value is not None and value < 1:
             raise CliError(f"bad {flag} {value}: must be at least 1", EXIT_USAGE)
     resolved = str(path.expanduser().resolve()) if path else ""
-    req = pb.LoadModelRequest(
-        name=name,
+    info = state.client().load(
+        name,
         path=resolved,
         tier=tier or "",
         n_ctx=n_ctx or 0,
@@ -79,8 +76,6 @@ def model_load(
         n_seq_max=n_seq_max or 0,
         policy=_policy(policy or []),
     )
-    with rpc_errors():
-        info = state.client().stub.LoadModel(req)
     if state.want_json(json_out):
         render.print_json(model_json(info))
     else:
@@ -94,24 +89,18 @@ def model_unload(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the model's shutdown saves, then free it."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    with rpc_errors():
-        reply = state.client().stub.UnloadModel(pb.UnloadModelRequest(name=name))
+    saved = state.client().unload(name)
     if state.want_json(json_out):
-        render.print_json({"name": name, "saved": reply.saved})
+        render.print_json({"name": name, "saved": saved})
     else:
-        render.out.print(f"unloaded {name} ({reply.saved} shutdown saves)")
+        render.out.print(f"unloaded {name} ({saved} shutdown saves)")
 
 
 def models_list(json_out: JsonOpt = False) -> None:
     """List loaded models."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    with rpc_errors():
-        reply = state.client().stub.ListModels(pb.ListModelsRequest())
+    models = state.client().models()
     if state.want_json(json_out):
-        render.print_json({"models": [model_json(m) for m in reply.models]})
+        render.print_json({"models": [model_json(m) for m in models]})
         return
     render.table(
         None,
@@ -128,7 +117,7 @@ def models_list(json_out: JsonOpt = False) -> None:
                 m.queued,
                 m.live,
             )
-            for m in reply.models
+            for m in models
         ),
         right=("n_ctx", "running", "queued", "live"),
     )

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from barrelctl import render, state
-from barrelctl.client import rpc_errors
 from barrelctl.state import JsonOpt
 
 app = typer.Typer(help="The memory-pressure scheduler.", no_args_is_help=True)
@@ -22,11 +19,7 @@ def _ratio(sample: dict | None) -> str:
 @app.command("status")
 def scheduler_status(json_out: JsonOpt = False) -> None:
     """Show whether it is enabled, its source, watermarks, last sample and last eviction."""
-    from barreld.rpc import barrel_pb2 as pb
-
-    with rpc_errors():
-        reply = state.client().stub.SchedulerStatus(pb.SchedulerStatusRequest())
-    doc = json.loads(reply.status_json)
+    doc = state.client().scheduler_status()
     if state.want_json(json_out):
         render.print_json(doc)
         return

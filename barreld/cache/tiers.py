@@ -3,9 +3,9 @@
 Each tier still guards its own byte quota before writing, as a last line of defence: the index's
 reservations already keep it under quota, so the guard only fires if the two ever disagree.
 
-Fault injection (for tests and the fault suite): set `BARREL_FAULT_WRITE=<tier>[:<ERRNO>][,...]`
-(e.g. `disk:ENOSPC`), or assign a callable to `fault_hook`, called with the tier name. Either makes every
-write to that tier fail with OSError after its first part is written, as a full or failing device would.
+Fault injection (for tests and the fault suite): a callable assigned to `fault_hook` is called with the
+tier's name after the first part of every write; an OSError it raises fails that write as a full or
+failing device would.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 from .checkpoint import Buffer
 from .errors import StoreLocked, TierWriteError
 
-FAULT_ENV = "BARREL_FAULT_WRITE"
 fault_hook: Callable[[str], None] | None = None
 
 _PUBLISHED = re.compile(r"^[0-9a-f]{64}\.kvc$")
@@ -37,11 +36,6 @@ LOCK_NAME = ".lock"
 def _inject_fault(tier: str) -> None:
     if fault_hook is not None:
         fault_hook(tier)
-    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        name, _, code = item.partition(":")
-        if name == tier:
-            num = getattr(errno, code or "EIO", errno.EIO)
-            raise OSError(num, f"injected fault ({FAULT_ENV}): {os.strerror(num)}")
 
 
 def _nbytes(parts: Iterable[Buffer]) -> int:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from barreld.cache.policy import Policy
 from barreld.engine.plan import MIN_CHUNK, common_prefix_len, tokens_within
@@ -23,10 +22,6 @@ if TYPE_CHECKING:
     from barreld.cache import CacheStore, Checkpoint, Hit
 
 log = logging.getLogger(__name__)
-
-# Test hook (documented in barreld(8)): drop every async save as a full writer queue would, so the
-# sync evict and shutdown saves that recover such lost states can be exercised.
-DROP_ASYNC_ENV = "BARREL_TEST_DROP_ASYNC_SAVES"
 
 LIVE_MIN_TOKENS = 32
 
@@ -47,6 +42,10 @@ class Found:
 
 
 class ModelCache:
+    # A test seam, set only by a test entry point: drop every async save as a full writer queue would, so
+    # the sync evict and shutdown saves that recover such lost states can be exercised.
+    drop_async_saves: ClassVar[bool] = False
+
     def __init__(
         self,
         store: CacheStore | None,
@@ -202,7 +201,7 @@ class ModelCache:
     def _save(self, seq: Sequence, reason: str, *, sync: bool, deadline: float | None = None) -> bool:
         if self.store is None or not self.policy.allows_save(len(seq.tokens)):
             return False
-        if not sync and os.environ.get(DROP_ASYNC_ENV) == "1":
+        if not sync and self.drop_async_saves:
             self.store.counters.count("saves_dropped")
             return False
         rendered = bytes(seq.rendered)

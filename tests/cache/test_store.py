@@ -13,6 +13,7 @@ import pytest
 
 from barreld.cache import CacheStore, Checkpoint, StoreLocked, TierConfig, encoded_size
 from barreld.cache import tiers as tiers_mod
+from tests.faultd import write_fault
 
 from .conftest import SCHEME, make_ckpt
 
@@ -318,13 +319,13 @@ def test_sync_save_waits_at_most_its_timeout(store: CacheStore, monkeypatch: pyt
 def test_write_fault_fails_the_save_and_leaves_nothing(
     store: CacheStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(tiers_mod.FAULT_ENV, "disk:ENOSPC")
+    monkeypatch.setattr(tiers_mod, "fault_hook", write_fault({"disk": errno.ENOSPC}))
     out = store.save(make_ckpt(b"doomed"), "disk", sync=True)
     assert out.status == "failed" and os.strerror(errno.ENOSPC) in out.detail
     assert store.counters["saves_failed"] == 1 and store.dump() == []
     assert os.listdir(store._tiers["disk"].root) == [".lock"]
     assert store.check() == []
-    monkeypatch.delenv(tiers_mod.FAULT_ENV)
+    monkeypatch.setattr(tiers_mod, "fault_hook", None)
     assert store.save(make_ckpt(b"doomed"), "disk", sync=True).status == "published"
 
 

@@ -13,6 +13,7 @@ import pytest
 from barreld.cache import StoreLocked, TierWriteError
 from barreld.cache import tiers as tiers_mod
 from barreld.cache.tiers import FileTier, RamTier
+from tests.faultd import write_fault
 
 NAME = "ab" * 32
 PARTS = [b"head", memoryview(b"payload" * 10), bytearray(b"tail")]
@@ -63,12 +64,12 @@ def test_ram_tier_quota_and_round_trip() -> None:
     ram.delete(location)  # already gone: fine
 
 
-@pytest.mark.parametrize("how", ["env", "hook"])
+@pytest.mark.parametrize("how", ["faultd", "hook"])
 def test_injected_write_fault_leaves_no_file(
     tier: FileTier, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    if how == "env":
-        monkeypatch.setenv(tiers_mod.FAULT_ENV, "disk,ram_file:ENOSPC")
+    if how == "faultd":
+        monkeypatch.setattr(tiers_mod, "fault_hook", write_fault({"disk": errno.EIO, "ram_file": errno.ENOSPC}))
     else:
 
         def hook(name: str) -> None:
@@ -77,15 +78,14 @@ def test_injected_write_fault_leaves_no_file(
         monkeypatch.setattr(tiers_mod, "fault_hook", hook)
     with pytest.raises(TierWriteError) as e:
         tier.publish(NAME, PARTS, lambda: True)
-    assert e.value.errno == (errno.ENOSPC if how == "env" else errno.EIO)
+    assert e.value.errno == (errno.ENOSPC if how == "faultd" else errno.EIO)
     assert os.listdir(tier.root) == [] and tier.used == 0
-    monkeypatch.delenv(tiers_mod.FAULT_ENV, raising=False)
     monkeypatch.setattr(tiers_mod, "fault_hook", None)
     assert tier.publish(NAME, PARTS, lambda: True) is not None
 
 
 def test_injected_fault_in_ram_tier(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(tiers_mod.FAULT_ENV, "ram")
+    monkeypatch.setattr(tiers_mod, "fault_hook", write_fault({"ram": errno.EIO}))
     ram = RamTier(quota=1000)
     with pytest.raises(TierWriteError):
         ram.put(NAME, PARTS)

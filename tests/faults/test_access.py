@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from barrelctl.sandbox import Sandbox
 from barreld.engine.registry import bundled_model_path
-from tests.conftest import World, make_world
 
 from . import util
 from .util import complete, doc
@@ -88,7 +88,7 @@ def modes(paths: list[Path], mode: int) -> Iterator[None]:
             os.chmod(p, m)
 
 
-def daemon_paths(w: World, rf_root: Path) -> tuple[list[Path], list[Path]]:
+def daemon_paths(w: Sandbox, rf_root: Path) -> tuple[list[Path], list[Path]]:
     """Every directory and file barreld made: socket dir, data dir (index, locks, kvc), ram_file root."""
     dirs, files = [], []
     for top in (w.socket.parent, w.data_dir, rf_root):
@@ -100,7 +100,7 @@ def daemon_paths(w: World, rf_root: Path) -> tuple[list[Path], list[Path]]:
 
 
 def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> None:
-    with make_world() as w:
+    with Sandbox.new() as w:
         rf_root = w.shm / "rf"  # barreld creates it
         model = bundled_model_path("smollm2")
         models = "".join(
@@ -111,7 +111,7 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
         (w.base / "config" / "barrel" / "barreld.toml").write_text(body)
         with umask(0):  # a careless umask must not open anything
             proc = util.start(w)
-        s = util.stub(w)
+        s = w.client()
         for name in ("d", "f"):
             r = complete(s, doc(ord(name), 190), 6, model=name)
             util.wait_for(
@@ -140,7 +140,7 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
         assert allowed == {}, "another user got further than EACCES"
         assert list(control.values()) == ["ok"]
         assert complete(s, b"The owner still gets in.", 2).completion_tokens == 2
-        util.stop(proc)
+        util.stop(w, proc)
         print(
             f"\naccess: {len(denied) + len(files_denied)} attempts by uid {NOBODY} denied "
             f"({len(dirs)} dirs 0700, {len(files)} files 0600)"
@@ -148,7 +148,7 @@ def test_another_user_can_neither_connect_nor_read_and_modes_are_private() -> No
 
 
 def test_files_an_autostart_leaves_are_private() -> None:
-    with make_world(util.model_config()) as w, umask(0o022):
+    with Sandbox.new(util.model_config()) as w, umask(0o022):
         r = w.ctl("complete", "hello", "--max-tokens", "2")
         assert r.rc == 0, r.err
         dirs, files = daemon_paths(w, w.shm)

@@ -9,7 +9,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import World, make_world
+from barrelctl.client import Completion
+from barrelctl.sandbox import Sandbox
 
 from . import util
 from .util import complete, counters, doc, rows
@@ -52,14 +53,14 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 }
 
 
-def kvc(w: World, key: str) -> Path:
+def kvc(w: Sandbox, key: str) -> Path:
     return w.data_dir / "kvc" / f"{key}.kvc"
 
 
-def cold_replies(w: World, s, prompts: list[bytes]) -> list[util.Reply]:
+def cold_replies(w: Sandbox, s, prompts: list[bytes]) -> list[Completion]:
     """First (cold) replies, their finish checkpoints published, no live sequence left holding them."""
     firsts = [complete(s, p, MAX_TOKENS) for p in prompts]
-    assert [f.path for f in firsts] == ["miss"] * len(prompts)
+    assert [f.route for f in firsts] == ["miss"] * len(prompts)
     util.wait_for(
         lambda: {f.key for f in firsts} <= {r.key for r in rows(s) if r.status == "available"}, what="the finish saves"
     )
@@ -69,9 +70,9 @@ def cold_replies(w: World, s, prompts: list[bytes]) -> list[util.Reply]:
 
 def test_damage_found_at_restore_is_dropped_counted_and_replies_stay_cold() -> None:
     kinds = [*DAMAGE, "swap"]
-    with make_world(POLICY + util.model_config()) as w:
+    with Sandbox.new(POLICY + util.model_config()) as w:
         util.start(w)
-        s = util.stub(w)
+        s = w.client()
         prompts = [doc(200 + i, 190) for i in range(len(kinds) + 1)]
         firsts = cold_replies(w, s, prompts)
         donor = firsts[-1]
@@ -84,7 +85,7 @@ def test_damage_found_at_restore_is_dropped_counted_and_replies_stay_cold() -> N
                 DAMAGE[kind](victim)
             before = counters(s)["corrupt_files"]
             again = complete(s, prompt, MAX_TOKENS)
-            assert again.path == "miss", (kind, again.path)  # the damaged checkpoint was not restored
+            assert again.route == "miss", (kind, again.route)  # the damaged checkpoint was not restored
             assert again.text == first.text, kind
             assert counters(s)["corrupt_files"] == before + 1, kind
             detected += 1
@@ -99,7 +100,7 @@ def test_damage_found_at_restore_is_dropped_counted_and_replies_stay_cold() -> N
         # Each victim was saved afresh by its cold re-run; now it restores warm with the same reply.
         for prompt, first in zip(prompts[:-1], firsts[:-1], strict=True):
             warm = complete(s, prompt, MAX_TOKENS)
-            assert warm.path == "exact" and warm.text == first.text
+            assert warm.route == "exact" and warm.text == first.text
             complete(s, FLUSH, 2)
         util.wait_for(lambda: counters(s)["saves_finish"] >= len(prompts) + len(kinds), what="saves")
         util.assert_consistent(w, s)
@@ -108,12 +109,12 @@ def test_damage_found_at_restore_is_dropped_counted_and_replies_stay_cold() -> N
 
 def test_damage_found_at_start_is_dropped_counted_and_replies_stay_cold() -> None:
     kinds = [*DAMAGE, "swap"]
-    with make_world(POLICY + util.model_config()) as w:
+    with Sandbox.new(POLICY + util.model_config()) as w:
         proc = util.start(w)
-        s = util.stub(w)
+        s = w.client()
         prompts = [doc(300 + i, 190) for i in range(len(kinds) + 1)]
         firsts = cold_replies(w, s, prompts)
-        util.stop(proc)
+        util.stop(w, proc)
         donor = firsts[-1]
         for kind, first in zip(kinds, firsts, strict=False):
             if kind == "swap":
@@ -130,7 +131,7 @@ def test_damage_found_at_start_is_dropped_counted_and_replies_stay_cold() -> Non
         assert at_start >= 4, report.group(1)
         for kind, prompt, first in zip(kinds, prompts, firsts, strict=False):
             again = complete(s, prompt, MAX_TOKENS)
-            assert again.path == "miss", (kind, again.path)
+            assert again.route == "miss", (kind, again.route)
             assert again.text == first.text, kind
             complete(s, FLUSH, 2)
         total = counters(s)["corrupt_files"]

@@ -12,10 +12,9 @@ import threading
 import time
 from collections import Counter
 
-import grpc
-
+from barrelctl.errors import ClientError
+from barrelctl.sandbox import Sandbox
 from barreld.rpc import barrel_pb2 as pb
-from tests.conftest import make_world
 
 from . import util
 from .util import POLICY, complete, rows
@@ -39,7 +38,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
     tally: Counter[str] = Counter()
     spent: Counter[str] = Counter()
     t_start = time.monotonic()
-    with make_world() as w:
+    with Sandbox.new() as w:
         for life in range(KILLS + 1):
             tier = ("disk", "ram_file")[life % 2]  # both file tiers must survive a crash
             util.configure(w, POLICY + QUOTAS + util.model_config(tier=tier), ram_file_quota="120M")
@@ -52,7 +51,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 early.wait(30)
                 tally["kills_in_startup"] += 1
             proc = util.start(w)
-            s = util.stub(w)
+            s = w.client()
             t1 = time.monotonic()
             spent["start"] += t1 - t0
             assert util.counters(s)["corrupt_files"] == 0, f"life {life}: a published file was found damaged"
@@ -70,9 +69,9 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 break
             # Headroom, made while the daemon is quiet: a save that must evict to fit could drop a row
             # published before the kill, which is no loss; with room no save evicts, so none may go missing.
-            for name, usage in s.CacheStats(pb.CacheStatsRequest()).tiers.items():
+            for name, usage in s.cache_stats().tiers.items():
                 if usage.bytes > HEADROOM:
-                    s.CacheEvictBytes(pb.CacheEvictBytesRequest(bytes=usage.bytes - HEADROOM, tiers=[name]))
+                    s.cache_evict_bytes(usage.bytes - HEADROOM, tiers=[name])
             found = {r.key for r in rows(s)}
 
             if life == 0:  # one prompt published before any kill, so every life has one to probe
@@ -83,7 +82,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
             if candidates:  # published before a kill: it must start warm, and reply as it did
                 prompt, text = candidates[-1]
                 again = complete(s, prompt, MAX_TOKENS)
-                assert again.path != "miss", f"life {life}: a checkpoint published before the kill was not found"
+                assert again.route != "miss", f"life {life}: a checkpoint published before the kill was not found"
                 assert text is None or again.text == text, f"life {life}: the warm reply differs from the first"
                 candidates[-1] = (prompt, again.text)  # warm replies equal cold ones: later probes compare
                 tally["warm_probes"] += 1
@@ -101,7 +100,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
             def run(s=s, prompt: bytes = prompt, result: list = result) -> None:
                 try:
                     result.append(complete(s, prompt, MAX_TOKENS, timeout=60))
-                except grpc.RpcError as e:
+                except ClientError as e:
                     result.append(e)
 
             t = threading.Thread(target=run)
@@ -128,8 +127,8 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
             assert len(result) == 1
             reply = result[0]
             tally["kills"] += 1
-            if isinstance(reply, grpc.RpcError):
-                assert reply.code() == grpc.StatusCode.UNAVAILABLE, reply  # the daemon died under it
+            if isinstance(reply, ClientError):
+                assert reply.status == "UNAVAILABLE", reply  # the daemon died under it
                 reply = None
             else:
                 tally["replies_before_kill"] += 1

@@ -1,8 +1,8 @@
 """Part 3: a tier whose device fills up. The save is dropped and counted (saves_failed), the request
 still succeeds, no partial file is published and no temp file is left, and saves succeed again once there
-is space. A real small tmpfs when this process may mount one; the documented write-fault hook
-(BARREL_FAULT_WRITE, barreld(8)) for every tier either way. And the data dir itself filling up: the LMDB
-index cannot commit, saves fail and are counted, and the model keeps serving."""
+is space. A real small tmpfs when this process may mount one; the write-fault hook of the test entry
+point (`python -m tests.faultd --fault-write TIER:ENOSPC`) for every tier either way. And the data dir
+itself filling up: the LMDB index cannot commit, saves fail and are counted, and the model keeps serving."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import World, make_world
+from barrelctl.client import Completion
+from barrelctl.sandbox import Sandbox
 
 from . import util
 from .util import complete, counters, doc, rows
@@ -40,7 +41,7 @@ def saved(s, key: str) -> bool:
     return key in {r.key for r in rows(s) if r.status == "available"}
 
 
-def assert_save_failed_cleanly(w: World, s, reply: util.Reply, roots: dict[str, Path], failed_before: int) -> None:
+def assert_save_failed_cleanly(w: Sandbox, s, reply: Completion, roots: dict[str, Path], failed_before: int) -> None:
     util.wait_for(lambda: counters(s)["saves_failed"] > failed_before, what="the failed save to be counted")
     assert reply.finish_reason == "length" and reply.completion_tokens == MAX_TOKENS  # the request went on
     assert not saved(s, reply.key)
@@ -50,7 +51,7 @@ def assert_save_failed_cleanly(w: World, s, reply: util.Reply, roots: dict[str, 
 
 
 def test_a_full_tmpfs_drops_the_save_and_saves_resume_when_space_returns() -> None:
-    with make_world() as w:
+    with Sandbox.new() as w:
         mnt = w.base / "small"
         why = mount_tmpfs(mnt, "16m")
         if why:
@@ -60,7 +61,7 @@ def test_a_full_tmpfs_drops_the_save_and_saves_resume_when_space_returns() -> No
             roots = {"disk": root, "ram_file": w.shm}
             w.write_config(util.ONE_SAVE_POLICY + f'\n[tiers.disk]\nroot = "{root}"\n' + util.model_config())
             proc = util.start(w)
-            s = util.stub(w)
+            s = w.client()
             first = complete(s, doc(1, 190), MAX_TOKENS)  # ~5 MB checkpoint: fits
             util.wait_for(lambda: saved(s, first.key), what="the first save")
             filler = mnt / "filler"
@@ -79,7 +80,7 @@ def test_a_full_tmpfs_drops_the_save_and_saves_resume_when_space_returns() -> No
             later = complete(s, doc(3, 190), MAX_TOKENS)
             util.wait_for(lambda: saved(s, later.key), what="a later save")
             util.assert_consistent(w, s, roots)
-            util.stop(proc)
+            util.stop(w, proc)
         finally:
             w.stop_all()
             subprocess.run(["umount", str(mnt)], check=False)
@@ -104,7 +105,7 @@ def fill(mnt: Path) -> Path:
 
 
 def test_a_full_data_dir_fails_saves_without_stopping_the_model() -> None:
-    with make_world() as w:
+    with Sandbox.new() as w:
         mnt = w.base / "idx"
         why = mount_tmpfs(mnt, "4m")
         if why:
@@ -115,7 +116,7 @@ def test_a_full_data_dir_fails_saves_without_stopping_the_model() -> None:
             roots = {"disk": disk, "ram_file": w.shm}
             proc = w.start_daemon("--data-dir", str(mnt / "data"), wait=False)
             w.wait_ready(proc)
-            s = util.stub(w)
+            s = w.client()
             first = complete(s, doc(20, 190), MAX_TOKENS)
             util.wait_for(lambda: saved(s, first.key), what="the first save")
             filler = fill(mnt)
@@ -126,12 +127,12 @@ def test_a_full_data_dir_fails_saves_without_stopping_the_model() -> None:
             util.wait_for(lambda: counters(s)["saves_failed"] >= failed + 3, what="failed saves to be counted")
             assert [r.key for r in rows(s)] == [first.key]
             again = complete(s, doc(20, 190), MAX_TOKENS)  # restores still work: reads need no space
-            assert again.path == "exact" and again.text == first.text
+            assert again.route == "exact" and again.text == first.text
             filler.unlink()
             later = complete(s, doc(30, 190), MAX_TOKENS)
             util.wait_for(lambda: saved(s, later.key), what="a save once space returned")
             util.assert_consistent(w, s, roots)
-            util.stop(proc)
+            util.stop(w, proc)
         finally:
             w.stop_all()
             subprocess.run(["umount", str(mnt)], check=False)
@@ -139,22 +140,22 @@ def test_a_full_data_dir_fails_saves_without_stopping_the_model() -> None:
 
 @pytest.mark.parametrize("tier", ["disk", "ram_file", "ram"])
 def test_write_fault_hook_drops_saves_and_a_restart_without_it_saves_again(tier: str) -> None:
-    with make_world(util.ONE_SAVE_POLICY + util.model_config(tier=tier)) as w:
+    with Sandbox.new(util.ONE_SAVE_POLICY + util.model_config(tier=tier)) as w:
         roots = util.tier_roots(w)
-        proc = util.start(w, env={"BARREL_FAULT_WRITE": f"{tier}:ENOSPC"})
-        s = util.stub(w)
+        proc = util.start(w, "--fault-write", f"{tier}:ENOSPC", module="tests.faultd")
+        s = w.client()
         failed = counters(s)["saves_failed"]
         full = complete(s, doc(10, 190), MAX_TOKENS)
         assert_save_failed_cleanly(w, s, full, roots, failed)
         # The live sequence is saved again at shutdown, and fails again: the daemon still stops cleanly.
-        util.stop(proc)
+        util.stop(w, proc)
         assert util.temp_files(*roots.values()) == []
         proc = util.start(w)
-        s = util.stub(w)
+        s = w.client()
         assert rows(s) == []
         again = complete(s, doc(10, 190), MAX_TOKENS)
-        assert again.path == "miss" and again.text == full.text
+        assert again.route == "miss" and again.text == full.text
         util.wait_for(lambda: saved(s, again.key), what="a save once the fault is gone")
         assert counters(s)["saves_failed"] == 0
         util.assert_consistent(w, s)
-        util.stop(proc)
+        util.stop(w, proc)

@@ -1,4 +1,5 @@
-"""Part 5: hostile input. A hypothesis fuzz of every RPC with malformed fields: each call is answered OK
+"""Part 5: hostile input. A hypothesis fuzz of every RPC with malformed fields, sent through the client's
+typed methods (the raw bytes no client can build go over its channel): each call is answered OK
 (when the request happens to be valid), INVALID_ARGUMENT or NOT_FOUND (FAILED_PRECONDITION for a load of
 a bad file), always with a message, never INTERNAL or UNKNOWN; and the daemon keeps serving after each.
 Prompt bytes that are not UTF-8 cache like any others: keys are over bytes."""
@@ -16,9 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from barrelctl.client import Client
+from barrelctl.errors import ClientError
+from barrelctl.sandbox import Sandbox
 from barreld.rpc import barrel_pb2 as pb
-from barreld.rpc import barrel_pb2_grpc as pb_grpc
-from tests.conftest import World, make_world
 
 from . import util
 from .util import complete, doc
@@ -30,8 +32,8 @@ PROTECTED = "smollm2"  # the loaded model: unloading it would let a fuzzed load 
 
 
 @pytest.fixture(scope="module")
-def hostile() -> Iterator[tuple[World, dict[str, str]]]:
-    with make_world(util.model_config()) as w:
+def hostile() -> Iterator[tuple[Sandbox, dict[str, str]]]:
+    with Sandbox.new(util.model_config()) as w:
         junk = w.base / "junk.gguf"
         junk.write_bytes(random.Random(1).randbytes(4096))
         fake = w.base / "fake.gguf"
@@ -42,7 +44,7 @@ def hostile() -> Iterator[tuple[World, dict[str, str]]]:
         paths = {"junk": str(junk), "fake": str(fake), "empty": str(empty), "dir": str(w.base / "adir")}
         proc = util.start(w)
         yield w, paths
-        util.stop(proc)
+        util.stop(w, proc)
 
 
 # ---- strategies ------------------------------------------------------------------------------------
@@ -103,23 +105,18 @@ texts = st.text(max_size=40).map(str.encode)
 
 
 @st.composite
-def complete_requests(draw) -> pb.CompleteRequest:
+def complete_requests(draw) -> dict:
     """Mostly-valid fields with a few bad ones, so each check is reached past the ones before it."""
-    req = pb.CompleteRequest(
+    return dict(
         model=draw(st.one_of(st.just(""), st.just(PROTECTED), strings)),
         prompt=draw(st.one_of(texts.filter(bool), prompts)),
         temperature=draw(st.one_of(st.just(0.0), st.floats(0, 2, width=32), float32)),
         stop=draw(st.one_of(st.just([]), stops)),
         parent_key=draw(st.one_of(st.just(""), hex_keys)),
         chat=draw(st.booleans()),
+        max_tokens=draw(st.one_of(st.integers(1, 3), st.none(), int32)),  # None: unset
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))),
     )
-    max_tokens = draw(st.one_of(st.integers(1, 3), st.none(), int32))
-    if max_tokens is not None:
-        req.max_tokens = max_tokens
-    seed = draw(st.one_of(st.none(), st.integers(0, 2**32 - 1)))
-    if seed is not None:
-        req.seed = seed
-    return req
 
 
 policy_keys = st.one_of(
@@ -145,8 +142,8 @@ sizes = st.one_of(st.just(0), st.integers(16, 8192), int32)
 
 
 @st.composite
-def load_requests(draw, paths: dict[str, str]) -> pb.LoadModelRequest:
-    return pb.LoadModelRequest(
+def load_requests(draw, paths: dict[str, str]) -> dict:
+    return dict(
         name=draw(st.one_of(st.sampled_from([PROTECTED, "m1", "fuzz-model.v2"]), strings)),
         # never the real model: a fuzzed valid load could ask for a context of 2**20 cells
         path=draw(
@@ -187,55 +184,47 @@ def load_requests(draw, paths: dict[str, str]) -> pb.LoadModelRequest:
     )
 
 
-def calls(paths: dict[str, str]) -> st.SearchStrategy[tuple[str, object]]:
+def calls(paths: dict[str, str]) -> st.SearchStrategy[tuple[str, dict]]:
+    """(a Client method, its keyword arguments)."""
     empty = st.sampled_from(
-        [
-            ("ListModels", pb.ListModelsRequest()),
-            ("CacheStats", pb.CacheStatsRequest()),
-            ("CacheGc", pb.CacheGcRequest()),
-            ("CacheVerify", pb.CacheVerifyRequest()),
-            ("SchedulerStatus", pb.SchedulerStatusRequest()),
-            ("DaemonStatus", pb.DaemonStatusRequest()),
-        ]
-    )
+        ["models", "cache_stats", "cache_gc", "cache_verify", "scheduler_status", "daemon_status"]
+    ).map(lambda m: (m, {}))
     return st.one_of(
-        complete_requests().map(lambda r: ("Complete", r)),
-        complete_requests().map(lambda r: ("Complete", r)),  # the richest request: drawn twice as often
-        load_requests(paths).map(lambda r: ("LoadModel", r)),
-        strings.filter(lambda n: n != PROTECTED).map(lambda n: ("UnloadModel", pb.UnloadModelRequest(name=n))),
-        st.builds(pb.CacheDumpRequest, model=strings, tier=tier_names).map(lambda r: ("CacheDump", r)),
-        st.builds(
-            lambda b, t: pb.CacheEvictBytesRequest(bytes=b, tiers=t), int64, st.lists(tier_names, max_size=4)
-        ).map(lambda r: ("CacheEvictBytes", r)),
+        complete_requests().map(lambda r: ("complete", r)),
+        complete_requests().map(lambda r: ("complete", r)),  # the richest request: drawn twice as often
+        load_requests(paths).map(lambda r: ("load", r)),
+        strings.filter(lambda n: n != PROTECTED).map(lambda n: ("unload", {"name": n})),
+        st.builds(dict, model=strings, tier=tier_names).map(lambda r: ("cache_dump", r)),
+        st.builds(lambda b, t: {"n": b, "tiers": t}, int64, st.lists(tier_names, max_size=4)).map(
+            lambda r: ("cache_evict_bytes", r)
+        ),
         empty,
     )
 
 
-def invoke(s: pb_grpc.BarrelStub, method: str, req) -> tuple[str, str]:
-    """(status code name, details) of one call; a valid completion is cut short after a few events."""
+def invoke(c: Client, method: str, kwargs: dict) -> tuple[str, str]:
+    """(status name, the daemon's message) of one call; a valid completion is cut short after a few events."""
     try:
-        if method == "Complete":
-            call = s.Complete(req, timeout=120)
-            for n, _ in enumerate(call):
+        if method == "complete":
+            stream = c.complete(**kwargs, timeout=120)
+            for n, _ in enumerate(stream):
                 if n >= 3:
-                    call.cancel()  # a valid request: enough is seen, and default max_tokens is long
+                    stream.cancel()  # a valid request: enough is seen, and default max_tokens is long
                     return "OK", ""
+            stream.result()
             return "OK", ""
-        if method == "CacheVerify":
-            list(s.CacheVerify(req, timeout=120))
-            return "OK", ""
-        getattr(s, method)(req, timeout=120)
+        getattr(c, method)(**kwargs, timeout=120)
         return "OK", ""
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.CANCELLED and method == "Complete":
+    except ClientError as e:
+        if e.status == "CANCELLED" and method == "complete":
             return "OK", ""
-        return e.code().name, e.details() or ""
+        return e.status, e.details
 
 
 def test_every_rpc_with_malformed_fields_gets_a_clear_answer_and_the_daemon_serves_on(hostile) -> None:
     w, paths = hostile
-    s = util.stub(w)
-    pid = s.DaemonStatus(pb.DaemonStatusRequest()).pid
+    s = w.client()
+    pid = s.daemon_status().pid
     seen: Counter[str] = Counter()
 
     @settings(
@@ -246,22 +235,22 @@ def test_every_rpc_with_malformed_fields_gets_a_clear_answer_and_the_daemon_serv
         suppress_health_check=list(HealthCheck),
     )
     @given(calls(paths))
-    def one(call: tuple[str, object]) -> None:
-        method, req = call
-        code, details = invoke(s, method, req)
+    def one(call: tuple[str, dict]) -> None:
+        method, kwargs = call
+        code, details = invoke(s, method, kwargs)
         seen[f"{method}:{code}"] += 1
-        allowed = ANSWERS | {"OK"} | ({"FAILED_PRECONDITION"} if method == "LoadModel" else set())
-        assert code in allowed, (method, code, details, str(req)[:500])
+        allowed = ANSWERS | {"OK"} | ({"FAILED_PRECONDITION"} if method == "load" else set())
+        assert code in allowed, (method, code, details, str(kwargs)[:500])
         if code != "OK":
             assert details.strip() and "\n" not in details.strip(), (method, code, details)
-        status = s.DaemonStatus(pb.DaemonStatusRequest(), timeout=30)  # still serving, and the same daemon
+        status = s.daemon_status(timeout=30)  # still serving, and the same daemon
         assert status.pid == pid
 
     one()
     total = sum(seen.values())
     print(f"\nfuzz: {total} examples: {dict(sorted(seen.items()))}")
     assert total >= EXAMPLES
-    assert [m.name for m in s.ListModels(pb.ListModelsRequest()).models] == [PROTECTED]
+    assert [m.name for m in s.models()] == [PROTECTED]
     assert "Traceback" not in w.log_text(), w.log_text()[-3000:]
 
 
@@ -316,21 +305,20 @@ def raw_call(channel: grpc.Channel, method: str, body: bytes) -> tuple[str, str]
 
 def test_undecodable_requests_leave_the_daemon_serving(hostile) -> None:
     w, _ = hostile
-    s = util.stub(w)
-    pid = s.DaemonStatus(pb.DaemonStatusRequest()).pid
-    with grpc.insecure_channel(f"unix:{w.socket}") as ch:
+    with w.client() as s:
+        pid = s.daemon_status().pid
         for method, body in raw_cases():
-            code, _ = raw_call(ch, method, body)
+            code, _ = raw_call(s.channel, method, body)
             assert code != "OK", (method, body)  # nothing was done with it: Shutdown did not shut down
-            assert s.DaemonStatus(pb.DaemonStatusRequest(), timeout=30).pid == pid
+            assert s.daemon_status(timeout=30).pid == pid
 
 
 def test_undecodable_requests_are_invalid_argument(hostile) -> None:
     w, _ = hostile
     wrong = []
-    with grpc.insecure_channel(f"unix:{w.socket}") as ch:
+    with w.client() as s:
         for method, body in raw_cases():
-            code, details = raw_call(ch, method, body)
+            code, details = raw_call(s.channel, method, body)
             if code != "INVALID_ARGUMENT" or not details:
                 wrong.append((method, body.hex(), code, details))
     assert wrong == []
@@ -338,13 +326,13 @@ def test_undecodable_requests_are_invalid_argument(hostile) -> None:
 
 @pytest.mark.parametrize("bad", [b"\xf4\x90\x80\x80", b"\xf7\xbf\xbf\xbf"], ids=["U+110000", "U+1FFFFF"])
 def test_a_prompt_llama_cpp_cannot_decode_does_not_kill_the_daemon(bad: bytes) -> None:
-    with make_world(util.model_config()) as w:
+    with Sandbox.new(util.model_config()) as w:
         proc = util.start(w)
-        s = util.stub(w)
-        code, details = invoke(s, "Complete", pb.CompleteRequest(prompt=b"hello " + bad + b" there", max_tokens=2))
+        s = w.client()
+        code, details = invoke(s, "complete", {"prompt": b"hello " + bad + b" there", "max_tokens": 2})
         assert code in ANSWERS | {"OK"}, (code, details)
         assert proc.poll() is None, f"barreld died with {proc.poll()}"
-        assert s.DaemonStatus(pb.DaemonStatusRequest(), timeout=10).pid == proc.pid
+        assert s.daemon_status(timeout=10).pid == proc.pid
 
 
 # ---- keys are over bytes ---------------------------------------------------------------------------
@@ -368,32 +356,32 @@ def test_prompts_that_are_not_utf8_cache_by_their_bytes() -> None:
     other_bad = prompt.replace(b"\xff", b"\xfe")  # other undecodable bytes in the same places
     other_text = prompt.replace(b"river", b"rivet")  # a decodable byte differs
     assert other_bad != prompt and other_text != prompt
-    with make_world(util.NO_SAVES + util.model_config()) as w:
+    with Sandbox.new(util.NO_SAVES + util.model_config()) as w:
         util.start(w)
-        cold = complete(util.stub(w), other_bad, 10)
-        assert cold.path == "miss"
-    with make_world(util.ONE_SAVE_POLICY + util.model_config()) as w:
+        cold = complete(w.client(), other_bad, 10)
+        assert cold.route == "miss"
+    with Sandbox.new(util.ONE_SAVE_POLICY + util.model_config()) as w:
         proc = util.start(w)
-        s = util.stub(w)
+        s = w.client()
         first = complete(s, prompt, 10)
-        assert first.path == "miss" and 550 <= first.prompt_tokens <= 900
+        assert first.route == "miss" and 550 <= first.prompt_tokens <= 900
         live = complete(s, prompt, 10)
-        assert live.path == "live" and live.text == first.text and live.key == first.key
+        assert live.route == "live" and live.text == first.text and live.key == first.key
         util.wait_for(
             lambda: first.key in {r.key for r in util.rows(s) if r.status == "available"}, what="the finish save"
         )
         complete(s, b"Zebras flush the live sequence.", 2)
         exact = complete(s, prompt, 10)
-        assert exact.path == "exact" and exact.text == first.text and exact.prompt_key == first.prompt_key
+        assert exact.route == "exact" and exact.text == first.text and exact.prompt_key == first.prompt_key
         assert exact.restored >= first.prompt_tokens - 2
         complete(s, b"Zebras flush the live sequence.", 2)
         same = complete(s, other_bad, 10)
-        assert same.prompt_key == first.prompt_key and same.path == "exact"
+        assert same.prompt_key == first.prompt_key and same.route == "exact"
         assert same.text == cold.text == first.text
         near = complete(s, other_text, 10)
-        assert near.prompt_key != first.prompt_key and near.path != "exact"
-        util.stop(proc)
+        assert near.prompt_key != first.prompt_key and near.route != "exact"
+        util.stop(w, proc)
         util.start(w)  # and from the disk tier after a restart
-        s = util.stub(w)
+        s = w.client()
         again = complete(s, prompt, 10)
-        assert again.path == "exact" and again.tier == "disk" and again.text == first.text
+        assert again.route == "exact" and again.tier == "disk" and again.text == first.text

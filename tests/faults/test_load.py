@@ -12,11 +12,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import grpc
-
-from barreld.rpc import barrel_pb2 as pb
-from barreld.rpc import barrel_pb2_grpc as pb_grpc
-from tests.conftest import make_world
+from barrelctl.client import Client
+from barrelctl.errors import ClientError
+from barrelctl.sandbox import Sandbox
 
 from . import util
 from .util import counters, doc
@@ -29,7 +27,7 @@ REQUESTS = 200
 class Job:
     n: int
     kind: str  # short | long | cancel | invalid
-    request: pb.CompleteRequest
+    request: dict  # Client.complete's arguments
     cancel_after_events: int = 0  # negative: on a timer, whatever has arrived (it may still be queued)
 
 
@@ -41,54 +39,50 @@ def jobs(rng: random.Random) -> list[Job]:
         if roll < 0.12:  # a long prompt: a few bases, some with another ending (exact, live, prefix hits)
             base = rng.choice(longs)
             prompt = base if rng.random() < 0.5 else base + f" and then part {n} began".encode()
-            out.append(Job(n, "long", pb.CompleteRequest(prompt=prompt, max_tokens=8)))
+            out.append(Job(n, "long", dict(prompt=prompt, max_tokens=8)))
         elif roll < 0.24:  # cancelled by its client: while queued, in its prefill or mid-stream
             prompt = rng.choice([*longs, f"Tell a long story number {n}.".encode()])
             out.append(
                 Job(
                     n,
                     "cancel",
-                    pb.CompleteRequest(prompt=prompt, max_tokens=400),
+                    dict(prompt=prompt, max_tokens=400),
                     cancel_after_events=rng.randint(-2, 6),
                 )
             )
         elif roll < 0.27:
             bad = rng.choice(
                 [
-                    pb.CompleteRequest(prompt=b"x", max_tokens=0),
-                    pb.CompleteRequest(prompt=b"", max_tokens=4),
-                    pb.CompleteRequest(prompt=b"x", max_tokens=4, temperature=float("nan")),
-                    pb.CompleteRequest(prompt=b"x", max_tokens=4, parent_key="zz"),
+                    dict(prompt=b"x", max_tokens=0),
+                    dict(prompt=b"", max_tokens=4),
+                    dict(prompt=b"x", max_tokens=4, temperature=float("nan")),
+                    dict(prompt=b"x", max_tokens=4, parent_key="zz"),
                 ]
             )
             out.append(Job(n, "invalid", bad))
         else:
             prompt = f"Question {n}: name a {rng.choice(['colour', 'river', 'tree', 'city'])}.".encode()
-            out.append(Job(n, "short", pb.CompleteRequest(prompt=prompt, max_tokens=rng.randint(4, 8))))
+            out.append(Job(n, "short", dict(prompt=prompt, max_tokens=rng.randint(4, 8))))
     return out
 
 
-def run_job(s: pb_grpc.BarrelStub, job: Job) -> tuple[str, str]:
-    """(outcome, detail): reply, cancelled, or the status code of the error."""
-    call = s.Complete(job.request, timeout=600)
+def run_job(c: Client, job: Job) -> tuple[str, str]:
+    """(outcome, detail): reply, cancelled, or the status of the error."""
+    stream = c.complete(**job.request, timeout=600)
     if job.kind == "cancel" and job.cancel_after_events < 0:
-        threading.Timer(0.1 * -job.cancel_after_events, call.cancel).start()
-    seen = 0
+        threading.Timer(0.1 * -job.cancel_after_events, stream.cancel).start()
     try:
-        for ev in call:
-            seen += 1
-            if ev.WhichOneof("event") == "done":
-                d = ev.done
-                assert d.finish_reason in ("length", "stop"), d.finish_reason
-                assert d.completion_tokens >= 1 and len(d.key) == 64
-                return "reply", d.finish_reason
+        for seen, _ in enumerate(stream, 1):
             if job.kind == "cancel" and seen > job.cancel_after_events >= 0:
-                call.cancel()
-        return "no_done", ""
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.CANCELLED and job.kind == "cancel":
+                stream.cancel()
+        d = stream.result()
+    except ClientError as e:
+        if e.status == "CANCELLED" and job.kind == "cancel":
             return "cancelled", ""
-        return e.code().name, e.details() or ""
+        return e.status, e.details
+    assert d.finish_reason in ("length", "stop"), d.finish_reason
+    assert d.completion_tokens >= 1 and len(d.key) == 64
+    return "reply", d.finish_reason
 
 
 def test_sixteen_clients_two_hundred_requests_with_evictions_and_gc() -> None:
@@ -97,12 +91,12 @@ def test_sixteen_clients_two_hundred_requests_with_evictions_and_gc() -> None:
     for job in jobs(rng):
         todo.put(job)
     # The model saves to ram_file so evictions delete files that restores may be reading.
-    with make_world(util.POLICY + util.model_config(n_seq_max=4, tier="ram_file")) as w:
+    with Sandbox.new(util.POLICY + util.model_config(n_seq_max=4, tier="ram_file")) as w:
         proc = util.start(w)
         results: dict[int, tuple[str, str, Job]] = {}
 
         def client() -> None:
-            s = util.stub(w)
+            s = w.client()
             while True:
                 try:
                     job = todo.get_nowait()
@@ -147,9 +141,9 @@ def test_sixteen_clients_two_hundred_requests_with_evictions_and_gc() -> None:
                 assert outcome == "INVALID_ARGUMENT", (job.n, outcome, detail)
                 assert any(w in detail for w in ("max_tokens", "prompt", "temperature", "parent key")), detail
         assert tally["cancel:cancelled"] >= 10
-        s = util.stub(w)
+        s = w.client()
         util.wait_for(
-            lambda: [m for m in s.ListModels(pb.ListModelsRequest()).models if (m.running, m.queued) == (0, 0)],
+            lambda: [m for m in s.models() if (m.running, m.queued) == (0, 0)],
             what="the model to go idle",
         )
         m = w.ctl("--no-autostart", "--json", "models").json()["models"][0]
@@ -162,7 +156,7 @@ def test_sixteen_clients_two_hundred_requests_with_evictions_and_gc() -> None:
         assert c["corrupt_files"] == 0 and c["evictions"] > 0 and freed > 0
         assert c["saves_cold"] + c["saves_finish"] > 0
         assert c["hits_live"] + c["hits_exact"] + c["hits_longest_prefix"] > 0
-        util.stop(proc)
+        util.stop(w, proc)
         log = w.log_text()
         assert "Traceback" not in log
         ops["cancelled_while_queued"] = log.count("cancelled by its client while queued")

@@ -1,0 +1,56 @@
+"""barrelctl's client against a real barreld (no model loaded, so it runs in the fast suite): every typed
+call answers with typed values, and every failure is one ClientError with the contract's exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from barrelctl.client import Client
+from barrelctl.errors import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, ClientError
+from barrelctl.sandbox import Sandbox
+
+
+def test_no_daemon_is_unavailable_with_exit_3(tmp_path: Path) -> None:
+    sock = tmp_path / "none.sock"
+    with pytest.raises(ClientError) as e:
+        Client(sock).cache_stats()
+    assert (e.value.status, e.value.code) == ("UNAVAILABLE", EXIT_UNREACHABLE)
+    assert str(sock) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_typed_calls_and_their_errors(served: Sandbox) -> None:
+    with served.client() as c:
+        status = c.daemon_status(timeout=10)
+        assert status.pid in served.daemon_pids() and status.socket == str(served.socket)
+        assert c.models() == [] and c.cache_dump() == [] and c.cache_gc() == 0
+        assert set(c.cache_stats().tiers) == {"ram", "ram_file", "disk"}
+        freed = c.cache_evict_bytes(1 << 20, tiers=["disk"])
+        assert (freed.evicted, freed.bytes_freed) == (0, 0)
+        seen: list[tuple[int, int]] = []
+        result = c.cache_verify(progress=lambda done, total: seen.append((done, total)))
+        assert (result.checked, list(result.bad)) == (0, [])
+        assert all(done <= total for done, total in seen)
+        assert c.scheduler_status()["enabled"] is False
+
+        with pytest.raises(ClientError) as e:
+            c.cache_dump(tier="floppy")
+        assert (e.value.status, e.value.code) == ("INVALID_ARGUMENT", EXIT_USAGE) and "floppy" in e.value.details
+        with pytest.raises(ClientError) as e:  # a stream fails when it is read
+            c.complete(b"hello", model="m" * 500).result()
+        assert (e.value.status, e.value.code) == ("INVALID_ARGUMENT", EXIT_USAGE)
+        assert "bad model name" in e.value.details
+        with pytest.raises(ClientError) as e:
+            c.unload("nosuch")
+        assert (e.value.status, e.value.code) == ("NOT_FOUND", EXIT_FAILED) and "nosuch" in str(e.value)
+
+
+def test_shutdown_stops_the_daemon(world: Sandbox) -> None:
+    proc = world.start_daemon()
+    with world.client() as c:
+        c.shutdown(timeout=10)
+    assert proc.wait(60) == 0
+    with pytest.raises(ClientError) as e:
+        world.client().daemon_status(timeout=5)
+    assert e.value.code == EXIT_UNREACHABLE
