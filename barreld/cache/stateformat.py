@@ -563,19 +563,22 @@ def split(layout: StateLayout, block_cells: int) -> Pieces:
     return Pieces(layout.shape, blocks, tail, opaque)
 
 
-def _output(size: int, out: bytearray | memoryview | None) -> memoryview:
-    """Where a state of `size` bytes is written: `out` (reused, so no fresh pages are faulted in), or a new buffer."""
+def _output(size: int, out: bytearray | memoryview | None) -> tuple[memoryview, bytearray | memoryview]:
+    """Where a state of `size` bytes is written, and what is returned: a new bytearray (which compares with
+    memcmp, where a memoryview compares item by item), or the first bytes of `out`, a buffer the caller
+    reuses so that no fresh pages are faulted in."""
     if out is None:
-        return memoryview(bytearray(size))
+        new = bytearray(size)
+        return memoryview(new), new
     view = memoryview(out).cast("B")
     if view.readonly or len(view) < size:
         raise ValueError(f"the output buffer must be writable and hold {size} bytes")
-    return view[:size]
+    return view[:size], view[:size]
 
 
-def cut(layout: StateLayout, k: int, out: bytearray | memoryview | None = None) -> memoryview:
-    """The state llama.cpp writes for this sequence's first k tokens, for a state that is full attention only.
-    Returns a view of the bytes written (into `out` when given)."""
+def cut(layout: StateLayout, k: int, out: bytearray | memoryview | None = None) -> bytearray | memoryview:
+    """The state llama.cpp writes for this sequence's first k tokens, for a state that is full attention only:
+    a new bytearray, or a view of the first bytes of `out` when given."""
     if layout.spec.sections != (SectionKind.ATTENTION,):
         raise StateFormatError("only a full-attention state can be cut: a window or recurrent state exists "
                                "at its own length only")
@@ -584,13 +587,13 @@ def cut(layout: StateLayout, k: int, out: bytearray | memoryview | None = None) 
     if not 0 <= k <= n:
         raise StateFormatError(f"cannot cut {n} cells to {k}")
     kv = att.shape or KvShape(len(att.streams), False, layout.spec.cell_ext, ())  # no cells: counts only
-    dst = _output(HEADER.size + kv.section_size(k), out)
+    dst, result = _output(HEADER.size + kv.section_size(k), out)
     HEADER.pack_into(dst, 0, MAGIC, layout.seq_id)
     segs, _ = _write_kv(dst, HEADER.size, kv, layout.seq_id, np.arange(k, dtype=np.int32))
     if k:
         src_segs = _state_segs(kv, stream.meta_offset, stream.layers, n)
         _copy_cells(layout.buf, src_segs, _pick(_by_position(stream, k), 0, k), dst, segs, 0, k)
-    return dst
+    return result
 
 
 def _write_kv(out: memoryview, off: int, kv: KvShape, seq_id: int, positions: np.ndarray) -> tuple[list[_Seg], int]:
@@ -638,10 +641,10 @@ def assemble(
     chunks: Sequence[Buffer],
     opaque: Sequence[Buffer],
     out: bytearray | memoryview | None = None,
-) -> memoryview:
+) -> bytearray | memoryview:
     """The state of sequence `seq_id` holding the chunks' cells at positions 0.. in order, and the sections
     that cannot be cut (`opaque`, in the spec's order), retargeted to `seq_id`. Every byte is written once,
-    into one buffer (`out` when given); returns a view of the state."""
+    into one buffer: a new bytearray, or the first bytes of `out` when given."""
     if not 0 <= seq_id < MAX_SEQ:
         raise StateFormatError(f"seq_id {seq_id} is out of range")
     kinds = shape.spec.sections
@@ -654,7 +657,7 @@ def assemble(
     n = sum(counts)
     size = HEADER.size + (shape.kv.section_size(n) if shape.kv else 0)
     size += sum(_retargeted_size(part) for part in parts)
-    dst = _output(size, out)
+    dst, result = _output(size, out)
     HEADER.pack_into(dst, 0, MAGIC, seq_id)
     off = HEADER.size
     carried_parts = iter(parts)
@@ -665,7 +668,7 @@ def assemble(
             off = _place_carried(dst, off, next(carried_parts), seq_id)
     if off != size:
         raise AssertionError(f"assembled {off} of {size} bytes")
-    return dst
+    return result
 
 
 def _chunk_views(kv: KvShape | None, chunks: Sequence[Buffer]) -> tuple[list[memoryview], list[int]]:

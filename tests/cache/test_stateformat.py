@@ -373,7 +373,7 @@ def test_a_cut_state_restored_and_continued_gives_the_cold_logits(smol: Real) ->
         smol.b.seq_rm(smol.seq, 0, -1)
         assert np.array_equal(feed(smol.b, smol.tokens, smol.seq, 0, [smol.n]), cold)
     for k in CUTS:
-        smol.b.state_set(smol.seq, cut(layout, k))
+        smol.b.state_set(smol.seq, memoryview(cut(layout, k)))
         assert np.array_equal(feed(smol.b, smol.tokens, smol.seq, k, batches(k, smol.n)), cold), k
 
 
@@ -409,7 +409,7 @@ def test_cells_stored_out_of_position_order_are_cut_by_position(flash_attn: bool
         assert own.attention.cells.positions.tolist() == [*range(40, 50), *range(40)]
         ours = cut(layout, 50)
         assert cut(own, 50) == ours
-        b.state_set(0, ours)
+        b.state_set(0, memoryview(ours))
         assert bytes(b.state_get(0)) == ours
         pieces = split(layout, 16)
         assert assemble(pieces.shape, 0, [*pieces.blocks, pieces.tail], []) == cut(layout, 60)
