@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,14 +87,14 @@ def collect(req: Request) -> Reply:
 
 
 class Engine:
-    """A registry over FakeBackend and one store; `cold` answers from a fresh registry with no store."""
+    """A registry over FakeBackend and one store; `cold` answers from a fresh registry with no store, and
+    `restarted` is another registry on the same store and model file."""
 
-    def __init__(self, root: Path, store: CacheStore | None, policy: Policy = POLICY, max_queue: int = 4) -> None:
+    def __init__(self, root: Path, store: CacheStore, max_queue: int = 4, model_file: Path | None = None) -> None:
         self.root = root
         self.store = store
-        self.policy = policy
-        self.model_file = write_gguf(root / "fake.gguf")
-        self.registry = ModelRegistry(store, policy, max_queue=max_queue, backend_factory=FakeBackend)
+        self.model_file = model_file or write_gguf(root / "fake.gguf")
+        self.registry = ModelRegistry(store, POLICY, max_queue=max_queue, backend_factory=FakeBackend)
         self.options: dict[str, dict] = {}
         self.restarts: list[Engine] = []
 
@@ -114,7 +116,7 @@ class Engine:
 
     def cold(self, prompt: bytes, name: str = "m", **params: object) -> Reply:
         """The reply a cold prefill gives: a new registry, no store, no live sequence."""
-        other = ModelRegistry(None, self.policy, backend_factory=FakeBackend)
+        other = ModelRegistry(None, POLICY, backend_factory=FakeBackend)
         try:
             other.load(name, LoadOptions(path=self.model_file, **self.options[name]))
             params.setdefault("max_tokens", 12)
@@ -128,14 +130,10 @@ class Engine:
         assert isinstance(self.store, WatchedStore)
         if settle:
             self.store.settle()
-        other = Engine.__new__(Engine)
-        other.root, other.store, other.policy, other.model_file = self.root, self.store, self.policy, self.model_file
-        other.registry = ModelRegistry(self.store, self.policy, backend_factory=FakeBackend)
-        other.options = dict(self.options)
-        other.restarts = []
+        other = Engine(self.root, self.store, model_file=self.model_file)
         self.restarts.append(other)
         for name, opts in self.options.items():
-            other.registry.load(name, LoadOptions(path=self.model_file, **opts))
+            other.load(name, **opts)
         return other
 
     def rows(self, reason: str | None = None) -> list[dict]:
@@ -146,7 +144,6 @@ class Engine:
         return sorted(rows, key=lambda r: r["created"])
 
     def counter(self, name: str) -> int:
-        assert self.store is not None
         return self.store.counters.snapshot()[name]
 
     def close(self) -> None:
@@ -172,16 +169,8 @@ class WatchedStore(CacheStore):
         self.publishing = threading.Event()
         self.publishing.set()
 
-    def save(
-        self,
-        ckpt: Checkpoint,
-        tier: str,
-        prefixes: Iterable[tuple[bytes, int]] = (),
-        *,
-        sync: bool = False,
-        timeout: float | None = None,
-    ) -> SaveOutcome:
-        outcome = super().save(ckpt, tier, prefixes, sync=sync, timeout=timeout)
+    def save(self, *args: Any, **kwargs: Any) -> SaveOutcome:
+        outcome = super().save(*args, **kwargs)
         if outcome.future is not None:
             self.futures.append(outcome.future)
         return outcome
@@ -229,11 +218,10 @@ def greedy(
         logits = be.logits(0)
 
 
-def wait_until(check, timeout: float = EVENT_TIMEOUT) -> None:
+def wait_until(check: Callable[[], bool], timeout: float = EVENT_TIMEOUT) -> None:
     """Polls `check` until it is true; fails the test after `timeout` seconds."""
-    done = threading.Event()
-    for _ in range(int(timeout * 200)):
-        if check():
-            return
-        done.wait(0.005)
-    raise AssertionError("condition not reached in time")
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)

@@ -13,7 +13,7 @@ from barreld.engine.backend import BatchItem, ContextSettings
 from barreld.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tests.fakes.backend import EOG, FakeBackend
 
-from .conftest import Engine, collect, greedy, plain
+from .conftest import Engine, WatchedStore, collect, greedy, plain
 
 
 def reload(engine: Engine, **opts: object) -> None:
@@ -166,10 +166,10 @@ def test_a_request_cancelled_mid_prefill_keeps_what_was_evaluated(engine: Engine
     assert [r["tokens"] for r in engine.rows("finish")] == [10]
 
 
-def test_the_queue_bound_refuses_at_once(engine: Engine) -> None:
-    reload(engine)
+def test_the_queue_bound_refuses_at_once(tmp_path: Path, store: WatchedStore) -> None:
+    engine = Engine(tmp_path, store, max_queue=1)
+    engine.load()
     worker = engine.registry.get("m").worker
-    worker.max_queue = 1
     be = engine.backend()
     be.hold()
     first = engine.submit(plain(40, 13))
@@ -181,6 +181,7 @@ def test_the_queue_bound_refuses_at_once(engine: Engine) -> None:
     be.release()
     assert collect(first).done and collect(second).done
     assert worker.counts() == {"running": 0, "queued": 0, "live": 1}
+    engine.close()
 
 
 def test_unloading_cancels_the_running_request_and_fails_the_queued(engine: Engine) -> None:
