@@ -8,9 +8,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import barreld
 from barreld.paths import SOCKET_ENV, default_socket, private_dir
+
+if TYPE_CHECKING:
+    from barreld.config import Config
 
 log = logging.getLogger("barreld")
 
@@ -54,25 +58,29 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s barreld[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
-    from barreld.server.daemon import StartupError
-
-    try:
-        return run(args)
-    except StartupError as exc:
-        print(f"barreld: {exc}", file=sys.stderr)
-        return 1
-
-
-def run(args: argparse.Namespace) -> int:
     from barreld.config import ConfigError, default_config_path, load_config
-    from barreld.server.app import Daemon
-    from barreld.server.daemon import StartupError
 
     config_path = args.config or default_config_path()
     try:
         config = load_config(config_path, args.data_dir)
     except ConfigError as exc:
-        raise StartupError(str(exc)) from None
+        print(f"barreld: {exc}", file=sys.stderr)
+        return 1
+    # The server (gRPC, numpy, llama.cpp) is imported once the config is known to be good: a bad one
+    # is reported without that cost.
+    from barreld.server.daemon import StartupError
+
+    try:
+        return run(args, config, config_path)
+    except StartupError as exc:
+        print(f"barreld: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace, config: Config, config_path: Path) -> int:
+    from barreld.server.app import Daemon
+    from barreld.server.daemon import StartupError
+
     data_dir = config.data_dir
     socket = args.socket or (config.socket if config.socket and not os.environ.get(SOCKET_ENV) else default_socket())
     try:

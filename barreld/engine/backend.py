@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -10,6 +12,10 @@ import numpy as np
 
 class BackendError(Exception):
     """llama.cpp refused an operation (decode failed, a state did not fit, ...)."""
+
+
+class ModelLoadError(Exception):
+    """The file is missing, is not a GGUF, or the backend could not load it."""
 
 
 @dataclass(frozen=True)
@@ -20,11 +26,27 @@ class BatchItem:
     logits: bool
 
 
+@dataclass(frozen=True)
+class ContextSettings:
+    n_ctx: int = 4096  # cells per sequence
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int = 0  # 0: the number of usable cores
+    type_k: int = 1  # GGML_TYPE_F16
+    type_v: int = 1
+    flash_attn: bool = False
+
+
 class Backend(Protocol):
     n_ctx: int  # cells per sequence
     n_batch: int
     n_seq_max: int
     n_vocab: int
+    # What the cache key needs from the loaded model beyond its file: the llama_ftype (quantisation)
+    # and the RoPE parameters the context applies to K before caching it.
+    ftype: int
+    rope_freq_base: float
+    rope_freq_scale: float
 
     def tokenize(self, data: bytes) -> list[int]: ...
 
@@ -49,3 +71,7 @@ class Backend(Protocol):
     def render_chat(self, user_text: bytes) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+BackendFactory = Callable[[Path, ContextSettings], Backend]
+"""Opens a model file with a context; raises ModelLoadError when it cannot."""

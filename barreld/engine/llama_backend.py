@@ -11,12 +11,11 @@ import logging
 import os
 import re
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from barreld.engine.backend import BackendError, BatchItem
+from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +37,6 @@ def _llama():
             llama_cpp.llama_backend_init()
             _initialised = True
     return llama_cpp
-
-
-class ModelLoadError(Exception):
-    """The file is missing, is not a GGUF, or llama.cpp could not load it."""
-
-
-@dataclass(frozen=True)
-class ContextSettings:
-    n_ctx: int = 4096  # cells per sequence
-    n_batch: int = 512
-    n_seq_max: int = 1
-    n_threads: int = 0  # 0: the number of usable cores
-    type_k: int = 1  # GGML_TYPE_F16
-    type_v: int = 1
-    flash_attn: bool = False
 
 
 class LlamaBackend:

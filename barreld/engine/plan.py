@@ -1,4 +1,4 @@
-"""Pure planning helpers for prefill: chunk sizes and byte offsets of token prefixes.
+"""Pure planning helpers: each tick's batch, prefill chunk sizes, and byte offsets of token prefixes.
 
 llama.cpp evaluates a batch of exactly one token through a different kernel path than a larger
 batch, so a prefill that ends with a one-token chunk is not bit-identical to a cold prefill (measured:
@@ -8,7 +8,11 @@ least two tokens long, unless the whole span is a single token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import accumulate
+
+from barreld.engine.backend import BatchItem
 
 MIN_CHUNK = 3
 
@@ -60,3 +64,44 @@ def tokens_within(offsets: list[int], nbytes: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What the batch planner needs to know of one running request."""
+
+    seq: int
+    pos: int  # tokens in the sequence's KV
+    target: Sequence[int]  # the tokens it must hold before sampling
+    pending: int | None  # a sampled token not yet in KV
+    cold_at: int | None  # a prefix length to stop at for a cold checkpoint
+
+
+@dataclass
+class Batch:
+    """One tick's batch, and where the logits each slot needs will be: (slot index, batch index) pairs."""
+
+    items: list[BatchItem] = field(default_factory=list)
+    samples: list[tuple[int, int]] = field(default_factory=list)
+    prefills: list[tuple[int, int]] = field(default_factory=list)
+
+
+def plan_batch(slots: Sequence[Slot], cap: int, n_batch: int, prefill_only: bool = False) -> Batch:
+    """The next token of every decoding slot first, then a chunk of at most `cap` prompt tokens of each
+    prefilling slot while n_batch has room; a chunk stops at the slot's cold checkpoint boundary."""
+    batch = Batch()
+    for i, s in enumerate(slots):
+        if s.pending is not None and not prefill_only:
+            batch.samples.append((i, len(batch.items)))
+            batch.items.append(BatchItem(s.pending, s.pos, s.seq, True))
+    for i, s in enumerate(slots):
+        if s.pending is not None or s.pos >= len(s.target):
+            continue
+        end = s.cold_at if s.cold_at is not None and s.pos < s.cold_at else len(s.target)
+        size = next_chunk(s.pos, end, min(cap, n_batch - len(batch.items)))
+        if size == 0:
+            continue
+        last = s.pos + size - 1
+        batch.prefills.append((i, len(batch.items) + size - 1))
+        batch.items.extend(BatchItem(s.target[p], p, s.seq, p == last) for p in range(s.pos, last + 1))
+    return batch

@@ -7,14 +7,19 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
 from barreld.cache.policy import Policy
-from barreld.engine.llama_backend import ContextSettings, LlamaBackend, ModelLoadError
+from barreld.engine.backend import BackendFactory, ContextSettings, ModelLoadError
+from barreld.engine.llama_backend import LlamaBackend
 from barreld.engine.model_cache import ModelCache
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import TIER_NAMES, model_name_problem
+
+if TYPE_CHECKING:
+    from barreld.cache import CacheStore
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +82,54 @@ class LoadedModel:
 
 
 class ModelRegistry:
-    def __init__(self, store, base_policy: Policy, max_queue: int | None = None) -> None:
+    def __init__(
+        self,
+        store: CacheStore | None,
+        base_policy: Policy,
+        max_queue: int | None = None,
+        backend_factory: BackendFactory = LlamaBackend,
+    ) -> None:
         self.store = store
         self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.base_policy = base_policy
+        self.backend_factory = backend_factory
         self._models: dict[str, LoadedModel] = {}
         self._lock = threading.RLock()
         self._default: str | None = None
 
     def load(self, name: str, opts: LoadOptions) -> LoadedModel:
+        """Loads a model under `name`; loading the same file with the same options again is a no-op."""
+        policy = self._check(name, opts)
+        path = opts.path or bundled_model_path(name)
+        if path is None:
+            raise NotFound(f"unknown model {name!r}: pass --path to a GGUF file (bundled: {', '.join(BUNDLED)})")
+        path = Path(path).expanduser().resolve()
+        with self._lock:
+            existing = self._models.get(name)
+            if existing is not None:
+                if existing.path == path and existing.options == opts:
+                    return existing
+                raise FailedPrecondition(
+                    f"model {name!r} is already loaded with other settings; run `barrelctl unload {name}` first"
+                )
+            model = self._open(name, path, opts, policy)
+            self._models[name] = model
+            if self._default is None:
+                self._default = name
+        log.info(
+            "loaded %s from %s (%s, fingerprint %s, n_ctx %d, n_seq_max %d, tier %s)",
+            name,
+            path,
+            model.quant,
+            model.fingerprint.hex()[:12],
+            opts.n_ctx,
+            opts.n_seq_max,
+            opts.tier,
+        )
+        return model
+
+    def _check(self, name: str, opts: LoadOptions) -> Policy:
+        """Refuses a bad name or option before anything is opened; returns the model's policy."""
         problem = model_name_problem(name)
         if problem:
             raise InvalidArgument(f"bad model name {name[:80]!r}: {problem}")
@@ -104,69 +148,44 @@ class ModelRegistry:
                 f"sequences plus prefill room, so at least {opts.n_seq_max + 8}"
             )
         try:
-            policy = self.base_policy.with_overrides(opts.policy)
+            return self.base_policy.with_overrides(opts.policy)
         except ValueError as exc:
             raise InvalidArgument(f"bad --policy: {exc}") from None
-        path = opts.path or bundled_model_path(name)
-        if path is None:
-            raise NotFound(f"unknown model {name!r}: pass --path to a GGUF file (bundled: {', '.join(BUNDLED)})")
-        path = Path(path).expanduser().resolve()
-        with self._lock:
-            existing = self._models.get(name)
-            if existing is not None:
-                if existing.path == path and existing.options == opts:
-                    return existing
-                raise FailedPrecondition(
-                    f"model {name!r} is already loaded with other settings; run `barrelctl unload {name}` first"
-                )
-            settings = ContextSettings(n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_seq_max=opts.n_seq_max)
-            if not path.is_file():
-                raise NotFound(f"model file not found: {path}")
-            try:
-                fingerprint = self._fingerprint(path, opts.fingerprint)
-                backend = LlamaBackend(path, settings)
-            except (ModelLoadError, ValueError, OSError) as exc:
-                raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
-            quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
-            ctx = CtxParams(
-                kv_streams=settings.n_seq_max,
-                type_k=settings.type_k,
-                type_v=settings.type_v,
-                flash_attn=settings.flash_attn,
-                rope_freq_base=backend.rope_freq_base,
-                rope_freq_scale=backend.rope_freq_scale,
-                kv_unified=False,
-                swa_full=False,
-            )
-            ctx_bytes = ctx.encode()
-            scheme = KeyScheme(fingerprint=fingerprint, quant=quant, ctx_params=ctx_bytes)
-            cache = ModelCache(
-                self.store,
-                scheme,
-                name,
-                opts.tier,
-                policy,
-                backend.state_get,
-                fingerprint=fingerprint,
-                quant=quant,
-                ctx_params=ctx_bytes,
-            )
-            worker = ModelWorker(name, backend, cache, max_queue=self.max_queue)
-            model = LoadedModel(name, path, opts, policy, fingerprint, quant, worker)
-            self._models[name] = model
-            if self._default is None:
-                self._default = name
-            log.info(
-                "loaded %s from %s (%s, fingerprint %s, n_ctx %d, n_seq_max %d, tier %s)",
-                name,
-                path,
-                quant,
-                fingerprint.hex()[:12],
-                opts.n_ctx,
-                opts.n_seq_max,
-                opts.tier,
-            )
-            return model
+
+    def _open(self, name: str, path: Path, opts: LoadOptions, policy: Policy) -> LoadedModel:
+        """Fingerprints the file, opens a backend on it and starts the model's worker."""
+        if not path.is_file():
+            raise NotFound(f"model file not found: {path}")
+        settings = ContextSettings(n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_seq_max=opts.n_seq_max)
+        try:
+            fingerprint = self._fingerprint(path, opts.fingerprint)
+            backend = self.backend_factory(path, settings)
+        except (ModelLoadError, ValueError, OSError) as exc:
+            raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
+        quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
+        ctx_bytes = CtxParams(
+            kv_streams=settings.n_seq_max,
+            type_k=settings.type_k,
+            type_v=settings.type_v,
+            flash_attn=settings.flash_attn,
+            rope_freq_base=backend.rope_freq_base,
+            rope_freq_scale=backend.rope_freq_scale,
+            kv_unified=False,
+            swa_full=False,
+        ).encode()
+        cache = ModelCache(
+            self.store,
+            KeyScheme(fingerprint=fingerprint, quant=quant, ctx_params=ctx_bytes),
+            name,
+            opts.tier,
+            policy,
+            backend.state_get,
+            fingerprint=fingerprint,
+            quant=quant,
+            ctx_params=ctx_bytes,
+        )
+        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue)
+        return LoadedModel(name, path, opts, policy, fingerprint, quant, worker)
 
     @staticmethod
     def _fingerprint(path: Path, mode: str) -> bytes:

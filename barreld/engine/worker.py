@@ -17,7 +17,7 @@ import numpy as np
 
 from barreld.engine.backend import Backend, BackendError, BatchItem
 from barreld.engine.model_cache import Found, ModelCache
-from barreld.engine.plan import byte_offsets, next_chunk
+from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
     CompletionParams,
     Done,
@@ -145,46 +145,14 @@ class ModelWorker:
 
     def _start(self, req: Request) -> None:
         """Tokenises, finds the best warm start, claims a sequence and sets it up to prefill the rest."""
-        p = req.params
-        be = self.backend
-        prompt = be.render_chat(p.prompt) if p.chat else p.prompt
-        tokens = be.tokenize(prompt)
-        if not tokens:
-            raise InvalidArgument("the prompt is empty; pass some text")
-        if len(tokens) >= be.n_ctx:
-            raise InvalidArgument(
-                f"the prompt is {len(tokens)} tokens but the context holds {be.n_ctx}; "
-                f"shorten it or load the model with a larger --n-ctx"
-            )
-        pieces = [be.piece(t) for t in tokens]
-        offsets = byte_offsets(pieces)
-        rendered = b"".join(pieces)
+        tokens, rendered, offsets = self._prompt(req.params)
         req.prompt_key = self.cache.key(rendered)
-
         t0 = time.perf_counter()
         idle = [s for s in self.seqs if s.idle]
-        found = self.cache.find(tokens, rendered, offsets, p.parent_key, idle)
+        found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
-
         seq = found.seq if found.seq is not None else self._claim(idle)
-        seq.request = req
-        req.seq = seq.id
-        try:
-            t1 = time.perf_counter()
-            kept = self._restore(seq, found)
-            req.timings.restore = time.perf_counter() - t1
-            req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
-            if len(req.target) >= be.n_ctx:
-                raise InvalidArgument(
-                    f"the prompt is {len(req.target)} tokens but the context holds {be.n_ctx}; "
-                    f"shorten it or load the model with a larger --n-ctx"
-                )
-            kept = self._settle(seq, kept, len(req.target))
-        except Exception:
-            self.backend.seq_rm(seq.id, 0, -1)  # whatever state is half set up, the sequence is free again
-            seq.clear()
-            seq.request = None
-            raise
+        kept = self._place(req, seq, found, tokens, rendered)
         req.prompt_tokens = len(req.target)
         seq.prompt_len = len(req.target)
         req.cache.route = found.route if kept > 0 else Route.MISS
@@ -193,12 +161,46 @@ class ModelWorker:
         req.cache.tier = found.tier if kept > 0 and found.route is not Route.LIVE else None
         self.cache.count_route(req.cache.route)
         req.cold_at = self.cache.cold_boundary(len(req.target), kept)
-        req.sampler = Sampler(p.temperature, p.seed)
-        req.scanner = StopScanner(list(p.stop))
+        req.sampler = Sampler(req.params.temperature, req.params.seed)
+        req.scanner = StopScanner(list(req.params.stop))
         req.prefill_started = time.perf_counter()
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
         with self._cond:
             self._active.append(req)
+
+    def _prompt(self, p: CompletionParams) -> tuple[list[int], bytes, list[int]]:
+        """The prompt's tokens, the bytes they render to, and each token prefix's length in bytes."""
+        prompt = self.backend.render_chat(p.prompt) if p.chat else p.prompt
+        tokens = self.backend.tokenize(prompt)
+        if not tokens:
+            raise InvalidArgument("the prompt is empty; pass some text")
+        self._check_fits(len(tokens))
+        pieces = [self.backend.piece(t) for t in tokens]
+        return tokens, b"".join(pieces), byte_offsets(pieces)
+
+    def _check_fits(self, n_tokens: int) -> None:
+        if n_tokens >= self.backend.n_ctx:
+            raise InvalidArgument(
+                f"the prompt is {n_tokens} tokens but the context holds {self.backend.n_ctx}; "
+                f"shorten it or load the model with a larger --n-ctx"
+            )
+
+    def _place(self, req: Request, seq: Sequence, found: Found, tokens: list[int], rendered: bytes) -> int:
+        """Gives seq to req with the found prefix in KV and req.target set; returns the tokens kept."""
+        seq.request = req
+        req.seq = seq.id
+        try:
+            t1 = time.perf_counter()
+            kept = self._restore(seq, found)
+            req.timings.restore = time.perf_counter() - t1
+            req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
+            self._check_fits(len(req.target))
+            return self._settle(seq, kept, len(req.target))
+        except Exception:
+            self.backend.seq_rm(seq.id, 0, -1)  # whatever state is half set up, the sequence is free again
+            seq.clear()
+            seq.request = None
+            raise
 
     def _claim(self, idle: list[Sequence]) -> Sequence:
         """An empty sequence if there is one, else the least recently used idle one, saved then cleared."""
@@ -268,64 +270,55 @@ class ModelWorker:
         return any(r.pending is None and len(self.seqs[r.seq].tokens) < len(r.target) for r in self._active)
 
     def _tick(self, prefill_only: bool = False) -> None:
-        be = self.backend
-        items: list[BatchItem] = []
-        samplers: list[tuple[Request, int]] = []
-        prefills: list[tuple[Request, int]] = []
-        for req in list(self._active):
-            seq = self.seqs[req.seq]
-            if req.cancelled.is_set():
-                self._finish(req, "cancelled")
-                continue
-            if req.pending is not None and not prefill_only:
-                samplers.append((req, len(items)))
-                items.append(BatchItem(req.pending, len(seq.tokens), seq.id, True))
-        cap = self.cache.chunk_size(be.n_batch) or be.n_batch
-        for req in self._active:
-            seq = self.seqs[req.seq]
-            pos = len(seq.tokens)
-            if req.pending is not None or pos >= len(req.target):
-                continue
-            end = req.cold_at if req.cold_at is not None and pos < req.cold_at else len(req.target)
-            size = next_chunk(pos, end, min(cap, be.n_batch - len(items)))
-            if size == 0:
-                continue
-            prefills.append((req, len(items) + size - 1))
-            for i in range(pos, pos + size):
-                items.append(BatchItem(req.target[i], i, seq.id, i == pos + size - 1))
-        if not items:
+        for req in [r for r in self._active if r.cancelled.is_set()]:
+            self._finish(req, "cancelled")
+        active = list(self._active)
+        slots = [self._slot(r) for r in active]
+        cap = self.cache.chunk_size(self.backend.n_batch) or self.backend.n_batch
+        batch = plan_batch(slots, cap, self.backend.n_batch, prefill_only)
+        if not batch.items:
             self._sample_stored()
             return
         try:
-            be.decode(items)
+            self.backend.decode(batch.items)
         except BackendError as exc:
             log.error("decode failed: %s", exc)
-            for req in list(self._active):
+            for req in active:
                 self._fail(req, BarrelError(f"llama.cpp decode failed: {exc}"))
             return
         # Copy every logits row now: finishing a request decodes its last token, which overwrites them.
-        logits = {idx: be.logits(idx) for _, idx in (*prefills, *samplers)}
-        for req, idx in prefills:
-            seq = self.seqs[req.seq]
-            start = len(seq.tokens)
-            for t in req.target[start : items[idx].pos + 1]:
-                seq.append(t, be.piece(t))
-            if req.cold_at is not None and len(seq.tokens) == req.cold_at:
-                seq.logits = logits[idx]
-                self.cache.save_async(seq, "cold")
-                req.cold_at = None
-            if len(seq.tokens) == len(req.target):
-                seq.prompt_logits = logits[idx]
-                req.timings.prefill = time.perf_counter() - req.prefill_started
-                self._take(req, logits[idx])
-        for req, idx in samplers:
-            seq = self.seqs[req.seq]
-            seq.append(req.pending, be.piece(req.pending))
-            req.pending = None
-            if self.cache.continued_due(req.generated):
-                seq.logits = logits[idx]
-                self.cache.save_async(seq, "continued")
-            self._take(req, logits[idx])
+        logits = {idx: self.backend.logits(idx) for _, idx in (*batch.prefills, *batch.samples)}
+        for i, idx in batch.prefills:
+            self._prefilled(active[i], batch.items[idx].pos + 1, logits[idx])
+        for i, idx in batch.samples:
+            self._sampled(active[i], logits[idx])
+
+    def _slot(self, req: Request) -> Slot:
+        return Slot(req.seq, len(self.seqs[req.seq].tokens), req.target, req.pending, req.cold_at)
+
+    def _prefilled(self, req: Request, end: int, logits: np.ndarray) -> None:
+        """The prompt is in KV up to `end`: a cold checkpoint there if due, sampling if it is all in."""
+        seq = self.seqs[req.seq]
+        for t in req.target[len(seq.tokens) : end]:
+            seq.append(t, self.backend.piece(t))
+        if req.cold_at is not None and len(seq.tokens) == req.cold_at:
+            seq.logits = logits
+            self.cache.save_async(seq, "cold")
+            req.cold_at = None
+        if len(seq.tokens) == len(req.target):
+            seq.prompt_logits = logits
+            req.timings.prefill = time.perf_counter() - req.prefill_started
+            self._take(req, logits)
+
+    def _sampled(self, req: Request, logits: np.ndarray) -> None:
+        """The pending token is in KV now; a continued checkpoint if due, then the next token."""
+        seq = self.seqs[req.seq]
+        seq.append(req.pending, self.backend.piece(req.pending))
+        req.pending = None
+        if self.cache.continued_due(req.generated):
+            seq.logits = logits
+            self.cache.save_async(seq, "continued")
+        self._take(req, logits)
 
     def _sample_stored(self) -> None:
         """Requests whose whole prompt was restored with its last logits sample without a decode."""

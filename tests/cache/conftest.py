@@ -29,7 +29,8 @@ def make_ckpt(
 ) -> Checkpoint:
     """A checkpoint of `rendered` with a deterministic state derived from the prompt."""
     seed = int.from_bytes(SCHEME.key(rendered)[:4], "little")
-    state = bytes((seed + i * 7) & 0xFF for i in range(state_len))
+    period = bytes((seed + i * 7) & 0xFF for i in range(256))  # the sequence repeats every 256 bytes
+    state = (period * (state_len // 256 + 1))[:state_len]
     tokens = list(range(1, max(2, len(rendered)) + 1))
     return Checkpoint.build(
         SCHEME,

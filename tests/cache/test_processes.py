@@ -46,6 +46,7 @@ def complete_lines(text: bytes) -> list[str]:
     return text.decode().split("\n")[:-1]
 
 
+@pytest.mark.faults  # 120 child processes killed: the fault run's job, not the fast one's
 def test_sigkill_at_random_moments_leaves_a_consistent_cache(tmp_path: Path, shm_root: Path) -> None:
     data, rf_root = tmp_path / "data", shm_root / "rf"
     rng = random.Random(20261129)

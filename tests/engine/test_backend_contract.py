@@ -1,0 +1,107 @@
+"""What the worker relies on from a backend, checked on FakeBackend and on llama.cpp with the real model.
+
+The same assertions run on both, so the fake the engine tests use cannot drift from what llama.cpp does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from barreld.engine.backend import Backend, BackendError, BatchItem, ContextSettings
+from barreld.engine.registry import bundled_model_path
+from tests.fakes.backend import FakeBackend, write_gguf
+
+TEXT = b"The quick brown fox jumps over the lazy dog, because the morning was cold and the river wide."
+SETTINGS = ContextSettings(n_ctx=256, n_batch=128, n_seq_max=2, n_threads=1)
+
+
+@pytest.fixture(params=["fake", pytest.param("llama", marks=pytest.mark.model)], scope="module")
+def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Backend:
+    if request.param == "fake":
+        be: Backend = FakeBackend(write_gguf(tmp_path_factory.mktemp("m") / "fake.gguf"), SETTINGS)
+    else:
+        from barreld.engine.llama_backend import LlamaBackend
+
+        path = bundled_model_path("smollm2")
+        assert path is not None, "the bundled model is not installed"
+        be = LlamaBackend(Path(path), SETTINGS)
+    yield be
+    be.close()
+
+
+@pytest.fixture
+def be(backend: Backend) -> Backend:
+    """The module's backend with both sequences empty."""
+    for seq in range(backend.n_seq_max):
+        backend.seq_rm(seq, 0, -1)
+    return backend
+
+
+def prefill(be: Backend, seq: int, tokens: list[int], start: int = 0) -> np.ndarray:
+    """Decodes tokens in one batch at positions start..; returns the last one's logits."""
+    be.decode([BatchItem(t, start + i, seq, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+    return be.logits(len(tokens) - 1)
+
+
+def test_logits_are_a_function_of_the_token_history(be: Backend) -> None:
+    prompt = be.tokenize(TEXT)
+    first = prefill(be, 0, prompt)
+    assert np.array_equal(prefill(be, 1, prompt), first)
+    be.seq_rm(1, 0, -1)
+    other = be.tokenize(TEXT.replace(b"quick", b"slow"))
+    assert other[-3:] == prompt[-3:]
+    assert not np.array_equal(prefill(be, 1, other), first)
+
+
+def test_a_prefill_split_into_batches_of_two_or_more_matches_one_batch(be: Backend) -> None:
+    prompt = be.tokenize(TEXT)
+    whole = prefill(be, 0, prompt)
+    for split in (2, len(prompt) // 2, len(prompt) - 2):
+        be.seq_rm(1, 0, -1)
+        prefill(be, 1, prompt[:split])
+        assert np.array_equal(prefill(be, 1, prompt[split:], split), whole), split
+
+
+def test_a_restored_state_and_a_cut_state_continue_as_a_cold_prefill(be: Backend) -> None:
+    prompt = be.tokenize(TEXT)
+    whole = prefill(be, 0, prompt)
+    be.state_set(1, memoryview(bytes(be.state_get(0))))
+    nxt = be.tokenize_tail(b" and")[0]
+    be.decode([BatchItem(nxt, len(prompt), 0, True), BatchItem(nxt, len(prompt), 1, True)])
+    assert np.array_equal(be.logits(0), be.logits(1))
+    be.seq_rm(1, 5, -1)
+    assert np.array_equal(prefill(be, 1, prompt[5:], 5), whole)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_foreign_or_damaged_state_is_refused_and_leaves_the_sequence_empty(be: Backend, damage: str) -> None:
+    prompt = be.tokenize(TEXT)
+    whole = prefill(be, 0, prompt)
+    state = bytes(be.state_get(0))
+    prefill(be, 1, prompt[:4])
+    bad = b"\x17" * 64 if damage == "garbage" else state[: len(state) // 2]
+    with pytest.raises(BackendError):
+        be.state_set(1, memoryview(bad))
+    assert np.array_equal(prefill(be, 1, prompt), whole)  # position 0 is next: nothing was left behind
+
+
+def test_a_position_that_does_not_follow_the_sequence_is_refused(be: Backend) -> None:
+    prompt = be.tokenize(TEXT)
+    prefill(be, 0, prompt[:6])
+    for start in (8, 3):
+        with pytest.raises(BackendError):
+            prefill(be, 0, prompt[6:9], start)
+    prefill(be, 0, prompt[6:9], 6)
+
+
+def test_text_can_retokenise_differently_from_the_tokens_that_made_it(be: Backend) -> None:
+    apart = be.tokenize_tail(b"h") + be.tokenize_tail(b"ello")
+    joined = b"".join(be.piece(t) for t in apart)
+    assert joined == b"hello" and be.tokenize_tail(joined) != apart
+    chat = be.render_chat(b"hi")
+    tokens = be.tokenize(chat)
+    assert b"".join(be.piece(t) for t in tokens).endswith(chat)
+    assert len(tokens) < len(chat) and any(be.is_eog(t) for t in range(be.n_vocab))

@@ -1,0 +1,117 @@
+"""ModelRegistry over FakeBackend: load, get, unload, the default model, keys, and every bad option."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from barreld.cache.key import fingerprint_gguf
+from barreld.engine.registry import LoadOptions, ModelRegistry
+from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
+from tests.fakes.backend import FakeBackend, write_gguf
+
+from .conftest import POLICY, Engine, plain
+
+
+@pytest.fixture
+def registry(tmp_path: Path, store) -> ModelRegistry:
+    reg = ModelRegistry(store, POLICY, backend_factory=FakeBackend)
+    yield reg
+    reg.close()
+
+
+def opts(path: Path, **kw: object) -> LoadOptions:
+    return LoadOptions(path=path, **{"n_ctx": 256, "n_batch": 64, **kw})
+
+
+def test_load_names_the_quantisation_and_fingerprints_the_file(registry: ModelRegistry, tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "a.gguf")
+    model = registry.load("a", opts(path, policy={"min_tokens": "64"}))
+    assert model.quant == "Q8_0" and model.path == path and model.policy.min_tokens == 64
+    assert model.fingerprint == fingerprint_gguf(path, "gguf_chunked")
+    assert registry.load("a", opts(path, policy={"min_tokens": "64"})) is model
+    with pytest.raises(FailedPrecondition, match="already loaded with other settings"):
+        registry.load("a", opts(path, n_ctx=512))
+    assert registry.models() == [model]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("safe", lambda p: hashlib.sha256(p.read_bytes()).digest()),
+        ("fast_unsafe:my-model-v1", lambda p: hashlib.sha256(b"my-model-v1").digest()),
+    ],
+)
+def test_fingerprint_modes(registry: ModelRegistry, tmp_path: Path, mode: str, expected) -> None:
+    path = write_gguf(tmp_path / "a.gguf")
+    assert registry.load("a", opts(path, fingerprint=mode)).fingerprint == expected(path)
+
+
+def test_the_first_model_is_the_default_until_it_is_unloaded(registry: ModelRegistry, tmp_path: Path) -> None:
+    a = registry.load("a", opts(write_gguf(tmp_path / "a.gguf", "a")))
+    b = registry.load("b", opts(write_gguf(tmp_path / "b.gguf", "b")))
+    assert registry.get("") is a and registry.get("b") is b and registry.default_name == "a"
+    assert registry.unload("a") == 0
+    assert registry.get("") is b and registry.default_name == "b"
+    with pytest.raises(NotFound, match="not loaded"):
+        registry.get("a")
+    with pytest.raises(NotFound):
+        registry.unload("a")
+    assert a.worker.backend.closed
+    registry.unload("b")
+    assert registry.default_name is None and registry.models() == []
+
+
+def test_keys_follow_the_file_and_the_context_not_the_name(engine: Engine, tmp_path: Path) -> None:
+    engine.load("same", n_seq_max=1)
+    engine.load("streams", n_seq_max=2)
+    other = write_gguf(tmp_path / "other.gguf", "other")
+    engine.registry.load("other", opts(other))
+    key = {name: engine.registry.get(name).worker.cache.key(b"x") for name in ("m", "same", "streams", "other")}
+    assert key["m"] == key["same"] and len(set(key.values())) == 3
+    a = plain(40, 1)
+    first = engine.run(a)
+    engine.store.settle()
+    assert engine.run(a, name="same").route == "exact"
+    assert engine.run(a, name="same").text == first.text
+    assert engine.run(a, name="streams").route == "miss"
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "error", "message"),
+    [
+        ("bad name!", {}, InvalidArgument, "bad model name"),
+        ("a", {"tier": "tape"}, InvalidArgument, "unknown tier 'tape'"),
+        ("a", {"n_ctx": 8}, InvalidArgument, "bad n_ctx 8"),
+        ("a", {"n_batch": 1 << 17}, InvalidArgument, "bad n_batch"),
+        ("a", {"n_seq_max": 0}, InvalidArgument, "bad n_seq_max 0"),
+        ("a", {"n_seq_max": 8, "n_batch": 15}, InvalidArgument, "at least 16"),
+        ("a", {"policy": {"min_tokens": "lots"}}, InvalidArgument, "bad --policy: min_tokens"),
+        ("a", {"policy": {"nope": "1"}}, InvalidArgument, "unknown policy key"),
+        ("a", {"fingerprint": "fast_unsafe:"}, FailedPrecondition, "non-empty supplied digest"),
+        ("a", {"path": "missing.gguf"}, NotFound, "model file not found"),
+        ("a", {"path": "junk.gguf"}, FailedPrecondition, "not a GGUF file"),
+        ("nobody", {"path": None}, NotFound, "unknown model 'nobody'"),
+    ],
+)
+def test_bad_options_are_refused_and_nothing_is_loaded(
+    registry: ModelRegistry, tmp_path: Path, name: str, kw: dict, error: type, message: str
+) -> None:
+    (tmp_path / "junk.gguf").write_bytes(b"\0" * 64)
+    path = kw.pop("path", write_gguf(tmp_path / "a.gguf"))
+    path = tmp_path / path if isinstance(path, str) else path
+    with pytest.raises(error, match=message):
+        registry.load(name, LoadOptions(path=path, **{"n_ctx": 256, "n_batch": 64, **kw}))
+    assert registry.models() == []
+
+
+def test_close_unloads_every_model_and_counts_its_shutdown_saves(engine: Engine) -> None:
+    engine.load("b")
+    engine.run(plain(40, 2))
+    engine.run(plain(40, 3), name="b")
+    engine.rows()
+    engine.store.gc()
+    assert engine.registry.close() == 2
+    assert engine.registry.models() == [] and {r["save_reason"] for r in engine.rows()} == {"shutdown"}

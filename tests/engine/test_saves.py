@@ -1,0 +1,117 @@
+"""Every save reason and every policy gate, as rows in a real store (policy: align 16, trim 2, min 8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import Engine, plain
+
+
+def reload(engine: Engine, **opts: object) -> None:
+    engine.registry.unload("m")
+    engine.load(**opts)
+
+
+def test_a_cold_prefill_saves_at_its_aligned_boundary_then_the_finish(engine: Engine) -> None:
+    reply = engine.run(plain(40, 1))
+    cold, finish = engine.rows("cold"), engine.rows("finish")
+    assert [r["tokens"] for r in cold] == [32]  # (40 - 2) // 16 * 16
+    assert [(r["key"], r["tokens"]) for r in finish] == [(reply.done.key.hex(), 40 + 12)]
+    assert engine.store.lookup(reply.done.prompt_key).n_tokens == 40  # the prompt is findable too
+    ends = [batch[-1].pos for batch in engine.backend().batches()]
+    assert 31 in ends  # the prefill stopped at the boundary to capture it
+    assert engine.counter("saves_cold") == engine.counter("saves_finish") == 1
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "policy", "cold"),
+    [
+        (34, {}, [32]),  # 34 - 2 trimmed = 32
+        (33, {}, [16]),  # 33 - 2 = 31, aligned down to 16
+        (15, {}, []),  # under cold_min_tokens (16)
+        (40, {"cold_max_tokens": "16"}, [16]),
+        (40, {"boundary_align_tokens": "8", "boundary_trim_tokens": "0"}, [40]),
+        (40, {"cold_min_tokens": "41"}, []),
+    ],
+)
+def test_cold_save_gates(engine: Engine, prompt_tokens: int, policy: dict, cold: list[int]) -> None:
+    reload(engine, policy=policy)
+    engine.run(plain(prompt_tokens, 2))
+    assert [r["tokens"] for r in engine.rows("cold")] == cold
+    assert len(engine.rows("finish")) == 1
+
+
+def test_a_warm_start_past_the_cold_boundary_saves_no_cold_checkpoint(engine: Engine) -> None:
+    a = plain(40, 3)
+    engine.run(a)
+    engine.restarted().run(a + plain(6, 4))  # 46 tokens: boundary 32 lies inside the restored 40
+    assert len(engine.rows("cold")) == 1
+
+
+def test_continued_saves_every_interval_of_generated_tokens(engine: Engine) -> None:
+    reload(engine, policy={"continued_interval": "4"})
+    engine.run(plain(20, 5), max_tokens=10)
+    assert [r["tokens"] for r in engine.rows("continued")] == [24, 28]
+    assert [r["tokens"] for r in engine.rows("finish")] == [30]
+
+
+@pytest.mark.parametrize("min_tokens", ["infinity", "53"])
+def test_min_tokens_gates_every_save(engine: Engine, min_tokens: str) -> None:
+    reload(engine, policy={"min_tokens": min_tokens, "continued_interval": "4"})
+    reply = engine.run(plain(40, 6))  # 52 tokens in all
+    assert reply.done is not None and engine.rows() == []
+    assert sum(engine.counter(f"saves_{r}") for r in ("cold", "continued", "finish", "evict")) == 0
+    engine.registry.unload("m")
+    assert engine.rows() == []
+
+
+def test_claiming_a_sequence_saves_its_state_when_it_is_stored_nowhere(engine: Engine) -> None:
+    engine.run(plain(40, 7))
+    second = engine.run(plain(40, 8))  # claims the 1st one's sequence; its finish checkpoint is stored
+    assert engine.rows("evict") == []
+    engine.store.gc()
+    engine.run(plain(40, 9))  # claims the 2nd one's sequence, whose checkpoint is gone
+    assert [(r["key"], r["tokens"]) for r in engine.rows("evict")] == [
+        (second.done.key.hex(), 40 + second.done.completion_tokens)
+    ]
+
+
+def test_cutting_a_live_sequence_saves_it_first_when_it_is_stored_nowhere(engine: Engine) -> None:
+    a = plain(40, 10)
+    first = engine.run(a)
+    engine.rows()
+    engine.store.gc()
+    reply = engine.run(a + plain(10, 11))
+    assert reply.route == "live"
+    assert [(r["key"], r["tokens"]) for r in engine.rows("evict")] == [
+        (first.done.key.hex(), 40 + first.done.completion_tokens)
+    ]
+
+
+def test_unloading_saves_live_sequences_stored_nowhere(engine: Engine) -> None:
+    reload(engine, n_seq_max=2)
+    first = engine.run(plain(40, 12))
+    engine.run(plain(40, 13))
+    engine.rows()
+    engine.store.gc()
+    assert engine.registry.unload("m") == 2
+    rows = engine.rows("shutdown")
+    assert len(rows) == 2 and first.done.key.hex() in {r["key"] for r in rows}
+    assert engine.restarted().run(plain(40, 12)).route == "exact"
+
+
+def test_shutdown_saves_stop_at_evict_save_timeout(engine: Engine) -> None:
+    reload(engine, policy={"evict_save_timeout_ms": "0"})
+    engine.run(plain(40, 14))
+    engine.rows()
+    engine.store.gc()
+    assert engine.registry.unload("m") == 0
+    assert engine.rows() == []
+
+
+def test_saves_go_to_the_models_tier(engine: Engine) -> None:
+    reload(engine, tier="ram")
+    a = plain(40, 15)
+    engine.run(a)
+    assert {r["tier"] for r in engine.rows()} == {"ram"}
+    assert engine.restarted().run(a).started.cache.tier == "ram"
