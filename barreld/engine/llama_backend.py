@@ -53,6 +53,7 @@ class ContextSettings:
     type_k: int = 1  # GGML_TYPE_F16
     type_v: int = 1
     flash_attn: bool = False
+    swa_full: bool = False  # keep every SWA cell in the live context, not just the last window
 
 
 class LlamaBackend:
@@ -88,6 +89,7 @@ class LlamaBackend:
         cparams.type_k = settings.type_k
         cparams.type_v = settings.type_v
         cparams.flash_attn_type = 1 if settings.flash_attn else 0
+        cparams.swa_full = settings.swa_full
         cparams.kv_unified = False
         cparams.no_perf = True
         self.rope_freq_base = float(cparams.rope_freq_base)
