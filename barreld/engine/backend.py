@@ -35,6 +35,7 @@ class ContextSettings:
     type_k: int = 1  # GGML_TYPE_F16
     type_v: int = 1
     flash_attn: bool = False
+    swa_full: bool = False  # keep every SWA cell in the live context, not just the last window
 
 
 class Backend(Protocol):

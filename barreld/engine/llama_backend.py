@@ -72,6 +72,7 @@ class LlamaBackend:
         cparams.type_k = settings.type_k
         cparams.type_v = settings.type_v
         cparams.flash_attn_type = 1 if settings.flash_attn else 0
+        cparams.swa_full = settings.swa_full
         cparams.kv_unified = False
         cparams.no_perf = True
         self.rope_freq_base = float(cparams.rope_freq_base)
