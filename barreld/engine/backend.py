@@ -43,6 +43,9 @@ class Backend(Protocol):
     n_batch: int
     n_seq_max: int
     n_vocab: int
+    chat_template: str | None  # the model's own Jinja chat template, if it has one
+    bos_text: str  # how the template spells the begin- and end-of-sequence tokens
+    eos_text: str
     # What the cache key needs from the loaded model beyond its file: the llama_ftype (quantisation)
     # and the RoPE parameters the context applies to K before caching it.
     ftype: int
@@ -68,8 +71,6 @@ class Backend(Protocol):
     def state_get(self, seq: int) -> bytearray: ...
 
     def state_set(self, seq: int, data: memoryview) -> None: ...
-
-    def render_chat(self, user_text: bytes) -> bytes: ...
 
     def close(self) -> None: ...
 

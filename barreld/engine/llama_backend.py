@@ -90,7 +90,10 @@ class LlamaBackend:
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(512)
         self._pieces: dict[int, bytes] = {}
-        self._template = L.llama_model_chat_template(self._model, None)
+        template = L.llama_model_chat_template(self._model, None)
+        self.chat_template = template.decode("utf-8", "replace") if template else None
+        self.bos_text = self._special_text(L.llama_vocab_bos(self._vocab))
+        self.eos_text = self._special_text(L.llama_vocab_eos(self._vocab))
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -184,21 +187,8 @@ class LlamaBackend:
             self.seq_rm(seq, 0, -1)
             raise BackendError(f"llama.cpp rejected a state of {size} bytes for sequence {seq}")
 
-    def render_chat(self, user_text: bytes) -> bytes:
-        """Renders one user turn through the model's own (Jinja) chat template, ending with the assistant cue."""
-        if not self._template:
-            raise BackendError("this model has no chat template; send the prompt without --chat")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = user_text.decode("utf-8", "replace")
-        rendered = env.from_string(self._template.decode("utf-8")).render(
-            messages=[{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            bos_token=self.piece(self._L.llama_vocab_bos(self._vocab)).decode("utf-8", "replace"),
-            eos_token=self.piece(self._L.llama_vocab_eos(self._vocab)).decode("utf-8", "replace"),
-        )
-        return rendered.encode()
+    def _special_text(self, token: int) -> str:
+        return self.piece(token).decode("utf-8", "replace") if token >= 0 else ""
 
     def close(self) -> None:
         L = self._L

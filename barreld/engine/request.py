@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from barreld.engine.chat import Message
 from barreld.engine.sampling import Sampler
 from barreld.engine.stops import StopScanner
 from barreld.names import Route
@@ -17,7 +18,9 @@ DEFAULT_MAX_TOKENS = 256
 @dataclass(frozen=True)
 class CompletionParams:
     prompt: bytes
-    chat: bool = False
+    chat: bool = False  # render `prompt` as one user turn through the chat template
+    messages: tuple[Message, ...] = ()  # a conversation to render instead of `prompt`
+    chat_template: str | None = None  # the request's own template, else the model's
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     seed: int | None = None

@@ -15,7 +15,9 @@ import time
 
 import numpy as np
 
+from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError, BatchItem
+from barreld.engine.chat import Message
 from barreld.engine.model_cache import Found, ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
@@ -170,13 +172,21 @@ class ModelWorker:
 
     def _prompt(self, p: CompletionParams) -> tuple[list[int], bytes, list[int]]:
         """The prompt's tokens, the bytes they render to, and each token prefix's length in bytes."""
-        prompt = self.backend.render_chat(p.prompt) if p.chat else p.prompt
-        tokens = self.backend.tokenize(prompt)
+        tokens = self.backend.tokenize(self._prompt_bytes(p))
         if not tokens:
             raise InvalidArgument("the prompt is empty; pass some text")
         self._check_fits(len(tokens))
         pieces = [self.backend.piece(t) for t in tokens]
         return tokens, b"".join(pieces), byte_offsets(pieces)
+
+    def _prompt_bytes(self, p: CompletionParams) -> bytes:
+        """The raw prompt, or the conversation rendered through the chat template."""
+        messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
+        if not messages:
+            return p.prompt
+        be = self.backend
+        template = p.chat_template or be.chat_template
+        return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name)
 
     def _check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.backend.n_ctx:

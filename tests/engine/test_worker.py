@@ -11,7 +11,7 @@ import pytest
 
 from barreld.engine.backend import BatchItem, ContextSettings
 from barreld.errors import InvalidArgument, ResourceExhausted, Unavailable
-from tests.fakes.backend import EOG, FakeBackend
+from tests.fakes.backend import EOG, FakeBackend, render_user_turn
 
 from .conftest import Engine, WatchedStore, collect, greedy, plain
 
@@ -298,7 +298,7 @@ def test_seeded_sampling_replies_alike_warm_and_cold(engine: Engine) -> None:
 def test_a_chat_turn_is_the_rendered_template(engine: Engine) -> None:
     be = engine.backend()
     reply = engine.run(b"why is the sky blue?", chat=True)
-    rendered = be.render_chat(b"why is the sky blue?")
+    rendered = render_user_turn(b"why is the sky blue?")
     assert reply.started.prompt_tokens == len(be.tokenize(rendered))
     assert reply.text == engine.cold(rendered).text
 

@@ -121,10 +121,24 @@ class Call:
     span: tuple[int, int] = (0, 0)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def render_user_turn(text: bytes) -> bytes:
+    """What CHAT_TEMPLATE makes of one user turn, written out by hand to check the renderer against."""
+    return b"<|user|>" + text + b"<|end|>\n<|assistant|>"
+
+
 class FakeBackend:
     """A model file stands in for weights: its bytes seed every logit, so two files are two models."""
 
     GATE_TIMEOUT = 30.0
+    chat_template: str | None = CHAT_TEMPLATE
+    bos_text = "<s>"
+    eos_text = "</s>"
 
     def __init__(self, path: Path, settings: ContextSettings) -> None:
         try:
@@ -167,8 +181,6 @@ class FakeBackend:
     def is_eog(self, token: int) -> bool:
         return token in EOG
 
-    def render_chat(self, user_text: bytes) -> bytes:
-        return b"<|user|>" + user_text + b"<|end|>\n<|assistant|>"
 
     # ---- evaluation -----------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""Conversations rendered through a chat template: the renderer every front end shares, and the worker's use of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from barreld.engine.chat import Message, messages_from, render
+from barreld.errors import FailedPrecondition, InvalidArgument
+from tests.fakes.backend import CHAT_TEMPLATE, render_user_turn
+
+from .conftest import Engine
+
+CONVERSATION = (
+    Message("system", "Be brief."),
+    Message("user", "Why is the sky blue?"),
+    Message("assistant", "Rayleigh scattering."),
+    Message("user", "And sunsets?"),
+)
+
+
+def test_every_role_renders_in_order_and_ends_with_the_assistant_cue() -> None:
+    out = render(CHAT_TEMPLATE, CONVERSATION, bos="<s>", eos="</s>", model="m")
+    assert out == (
+        b"<|system|>Be brief.<|end|>\n<|user|>Why is the sky blue?<|end|>\n"
+        b"<|assistant|>Rayleigh scattering.<|end|>\n<|user|>And sunsets?<|end|>\n<|assistant|>"
+    )
+
+
+def test_openai_shaped_dicts_become_messages_and_other_keys_are_ignored() -> None:
+    got = messages_from([{"role": "user", "content": "hi", "name": "x"}, {"role": "tool", "content": "{}"}])
+    assert got == (Message("user", "hi"), Message("tool", "{}"))
+
+
+@pytest.mark.parametrize(
+    ("items", "says"),
+    [
+        ([], "messages is empty"),
+        (["hi"], r"messages\[0\] is not an object"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\]\.role 'robot'"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string, got int"),
+        ([{"content": "a"}], r"messages\[0\]\.role None"),
+    ],
+)
+def test_a_bad_conversation_is_refused_naming_the_message(items: list, says: str) -> None:
+    with pytest.raises(InvalidArgument, match=says):
+        messages_from(items)
+
+
+def test_a_model_without_a_template_is_a_failed_precondition_naming_it() -> None:
+    with pytest.raises(FailedPrecondition, match="model base-1 has no chat template"):
+        render(None, CONVERSATION, bos="", eos="", model="base-1")
+
+
+def test_a_template_that_refuses_the_messages_says_so() -> None:
+    template = "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
+    with pytest.raises(InvalidArgument, match="refused the messages: no system role"):
+        render(template, CONVERSATION, bos="", eos="", model="m")
+    with pytest.raises(InvalidArgument, match="the chat template failed"):
+        render("{% for %}", CONVERSATION, bos="", eos="", model="m")
+
+
+def test_the_sandbox_keeps_templates_away_from_python() -> None:
+    with pytest.raises(InvalidArgument, match="the chat template failed"):
+        render("{{ ''.__class__.__mro__ }}", CONVERSATION, bos="", eos="", model="m")
+
+
+def test_the_worker_renders_messages_and_chat_alike(engine: Engine) -> None:
+    be = engine.backend()
+    by_messages = engine.run(b"", messages=(Message("user", "why is the sky blue?"),))
+    by_chat = engine.run(b"why is the sky blue?", chat=True)
+    raw = engine.cold(render_user_turn(b"why is the sky blue?"))
+    assert by_messages.started.prompt_tokens == len(be.tokenize(render_user_turn(b"why is the sky blue?")))
+    assert by_messages.text == by_chat.text == raw.text
+
+
+def test_a_request_template_serves_a_model_without_one(engine: Engine) -> None:
+    type(engine.backend()).chat_template = None
+    try:
+        failed = engine.run(b"", messages=CONVERSATION)
+        assert isinstance(failed.error, FailedPrecondition) and "model m has no chat template" in str(failed.error)
+        reply = engine.run(b"", messages=CONVERSATION, chat_template=CHAT_TEMPLATE)
+        assert reply.done.finish_reason in ("stop", "length")
+    finally:
+        type(engine.backend()).chat_template = CHAT_TEMPLATE
