@@ -54,6 +54,7 @@ def test_a_saved_conversation_reads_back_the_same(tmp_path: Path) -> None:
     assert parse_messages(path.read_bytes(), str(path)) == conversation
     assert json.loads(path.read_text())[1] == {"role": "user", "content": "Grüße, \"quotes\"\nand lines"}
     assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]   # no temporary file left behind
+    assert path.stat().st_mode & 0o777 == 0o600   # a conversation is private
 
 
 @pytest.fixture(scope="module")
