@@ -52,13 +52,17 @@ class Footer:
 
 
 class Terminal:
-    """`barrelctl chat` on a pseudo-terminal, as a person at an xterm would drive it."""
+    """`barrelctl chat` on a pseudo-terminal, as a person at an xterm would drive it; `stdout` redirects the
+    command's standard output to that file, as a shell's `>` would."""
 
-    def __init__(self, box: Sandbox, *args: str) -> None:
+    def __init__(self, box: Sandbox, *args: str, stdout: Path | None = None) -> None:
         # No cursor-position requests: nobody on this terminal answers them.
         env = box.env(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1")
-        self.child = pexpect.spawn(sys.executable, ["-m", "barrelctl", "chat", *args], env=env, cwd=str(box.base),
-                                   timeout=180, dimensions=(40, 200))
+        argv = [sys.executable, "-m", "barrelctl", "chat", *args]
+        if stdout is not None:
+            argv = ["/bin/sh", "-c", 'exec "$@" > "$0"', str(stdout), *argv]
+        self.child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(box.base), timeout=180,
+                                   dimensions=(40, 200))
 
     def ask(self, text: str) -> Footer:
         self.child.expect(">>>")
@@ -140,6 +144,16 @@ def test_ctrl_c_stops_the_reply_in_the_daemon_and_the_session_goes_on(served: Sa
     term.command(f"/save {saved}", "saved 2 messages")
     assert [m["content"] for m in json.loads(saved.read_text()) if m["role"] == "user"] == ["Say hello."]
     assert term.leave() == 0
+
+
+def test_with_stdout_redirected_the_prompt_stays_on_the_terminal(served: Sandbox, tmp_path: Path) -> None:
+    out = tmp_path / "replies.txt"
+    term = Terminal(served, "--max-tokens", "8", stdout=out)
+    term.ask("Name a fruit.")
+    saved = tmp_path / "fruit.json"
+    term.command(f"/save {saved}", "saved 2 messages")
+    assert term.leave() == 0
+    assert out.read_text() == json.loads(saved.read_text())[1]["content"] + "\n"
 
 
 def test_piped_stdin_is_one_message_per_line(served: Sandbox, tmp_path: Path) -> None:

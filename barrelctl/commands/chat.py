@@ -120,11 +120,14 @@ def command(session: Session, line: str) -> bool:
 
 
 def terminal_lines() -> Iterator[str]:
-    """Lines typed at a prompt with history and editing; Ctrl-C clears the line, Ctrl-D ends."""
+    """Lines typed at a prompt with history and editing; Ctrl-C clears the line, Ctrl-D ends. With stdout
+    redirected the prompt goes to stderr, so the file gets only the replies."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import InMemoryHistory
+    from prompt_toolkit.output import create_output
 
-    prompt: PromptSession[str] = PromptSession(history=InMemoryHistory())
+    output = None if sys.stdout.isatty() else create_output(stdout=sys.stderr)
+    prompt: PromptSession[str] = PromptSession(history=InMemoryHistory(), output=output)
     while True:
         try:
             yield prompt.prompt(PROMPT)
