@@ -1,4 +1,4 @@
-"""Human output: rich tables and human sizes and times. JSON output does not come through here."""
+"""Human output: rich tables, human sizes and times, streamed replies and the chat's footer lines."""
 
 from __future__ import annotations
 

@@ -75,6 +75,14 @@ def test_the_cli_refuses_a_bad_file_before_asking_a_daemon(box: Sandbox, command
     assert r.out == ""
 
 
+@pytest.mark.parametrize(("data", "says"), [BAD_FILES[i] for i in (0, 3, 6, 8, 9, 10)])
+def test_each_kind_of_bad_file_is_one_line_and_exit_2(box: Sandbox, data: bytes, says: str) -> None:
+    r = box.ctl("--no-autostart", "complete", "--messages", "-", input=data)
+    assert r.rc == 2, (r.rc, r.err)
+    assert r.err.startswith("barrelctl: bad messages in stdin: ") and says in r.err
+    assert len(r.err.splitlines()) == 1
+
+
 def test_messages_from_stdin_and_files_that_cannot_be_read(box: Sandbox) -> None:
     r = box.ctl("--no-autostart", "complete", "--messages", "-", input=b"[]")
     assert (r.rc, r.err.strip()) == (2, "barrelctl: bad messages in stdin: messages is empty; send at least one "
