@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from barrelctl import state
-from barrelctl.commands import cache, complete, daemon, models, scheduler
+from barrelctl.commands import cache, chat, complete, daemon, models, scheduler
 from barrelctl.errors import EXIT_USAGE, CliError
 
 try:  # recent typer vendors its own click; older releases use the click package
@@ -49,6 +49,7 @@ def main_options(
 
 
 complete.register(app)
+chat.register(app)
 models.register(app)
 app.add_typer(cache.app, name="cache")
 app.add_typer(scheduler.app, name="scheduler")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from barrelctl.errors import ClientError
+from barreld.engine.chat import Message
 from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir
 
 if TYPE_CHECKING:
@@ -213,11 +214,18 @@ class Client:
         stop: Sequence[str] = (),
         parent_key: str = "",
         chat: bool = False,
+        messages: Sequence[Message] = (),
+        chat_template: str = "",
         timeout: float | None = None,
     ) -> CompletionStream:
-        """Starts a completion; None leaves max_tokens to the daemon's default and the sampler unseeded."""
-        request = _pb().CompleteRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                        seed=seed, stop=list(stop), parent_key=parent_key, chat=chat)
+        """Starts a completion of `prompt`, or of `messages` (then pass an empty prompt) rendered by the model's
+        chat template or `chat_template`; None leaves max_tokens to the daemon's default and the sampler
+        unseeded."""
+        pb = _pb()
+        request = pb.CompleteRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                     seed=seed, stop=list(stop), parent_key=parent_key, chat=chat,
+                                     messages=[pb.Message(role=m.role, content=m.content) for m in messages],
+                                     chat_template=chat_template)
         return CompletionStream(self._call("Complete", request, timeout))
 
     def load(

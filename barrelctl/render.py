@@ -1,4 +1,4 @@
-"""Human output: rich tables and human sizes and times. JSON output does not come through here."""
+"""Human output: rich tables, human sizes and times, streamed replies and the chat's footer lines."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from rich.console import Console
 from rich.table import Table
+
+from barrelctl.client import Completion, CompletionStream, Token
 
 # A terminal (or $COLUMNS) sets the width; piped output is not wrapped by anyone, so give tables room there.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
@@ -63,3 +65,52 @@ def table(
 
 def pairs(title: str | None, items: Iterable[tuple[str, object]]) -> None:
     table(title, ("field", "value"), items)
+
+
+def stream(start: Callable[[], CompletionStream], as_json: bool) -> Completion:
+    """Runs the call, writing tokens to stdout as they come (unless JSON), a spinner on a terminal until the
+    first token; Ctrl-C cancels the request in the daemon too, and ends the reply's line either way."""
+    status = None
+    if not as_json and sys.stderr.isatty():
+        status = err.status("waiting for the model…")
+        status.start()
+    call = None
+    ended = True
+    try:
+        call = start()
+        for ev in call:
+            if isinstance(ev, Token) and not as_json:
+                if status is not None:
+                    status.stop()
+                    status = None
+                sys.stdout.buffer.write(ev.text)
+                sys.stdout.buffer.flush()
+                ended = ev.text.endswith(b"\n")
+        return call.result()
+    except KeyboardInterrupt:
+        if call is not None:
+            call.cancel()
+        raise
+    finally:
+        if status is not None:
+            status.stop()
+        if not ended:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+def millis(ms: float) -> str:
+    return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def chat_footer(done: Completion) -> None:
+    """One dim line after a reply: how much of the conversation came warm, and how soon the reply began."""
+    where = f"{done.route} from {done.tier}" if done.tier else done.route
+    cut = ", cut at --max-tokens" if done.finish_reason == "length" else ""
+    note(f"{where} · {done.restored} restored · {done.prefilled} prefilled · first token "
+         f"{millis(done.client_ttft_ms)} · {done.completion_tokens} tokens{cut}")
+
+
+def note(text: str) -> None:
+    """A dim line on stderr, beside the conversation on stdout: a pipe of replies stays only replies."""
+    err.print(text, style="dim", markup=False, highlight=False, soft_wrap=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -65,3 +67,32 @@ def pct(x: float) -> str:
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+# ---- sections of RESULTS.md that other commands write --------------------------------------------------
+
+_MARK = "<!-- section {name}: written by python -m bench.{name}; python -m bench keeps it -->"
+_END = "<!-- end of section {name} -->"
+
+
+def _sections(text: str) -> dict[str, str]:
+    """Marked sections found in `text`, by name, marks included."""
+    found = {}
+    for match in re.finditer(r"<!-- section (\w+): .*? -->\n.*?<!-- end of section \1 -->\n", text, re.S):
+        found[match.group(1)] = match.group(0)
+    return found
+
+
+def put_section(path: Path, name: str, markdown: str) -> None:
+    """Writes `markdown` as the section `name` of `path`, replacing the one there, else at the end; the rest of
+    the file stays as it is."""
+    block = f"{_MARK.format(name=name)}\n{markdown.rstrip()}\n{_END.format(name=name)}\n"
+    text = path.read_text() if path.exists() else ""
+    old = _sections(text).get(name)
+    text = text.replace(old, block) if old else text.rstrip("\n") + ("\n\n" if text else "") + block
+    path.write_text(text)
+
+
+def kept_sections(path: Path) -> list[str]:
+    """The marked sections of an existing file, for a regenerated file to carry over."""
+    return list(_sections(path.read_text()).values()) if path.exists() else []

@@ -8,7 +8,7 @@ from pathlib import Path
 from barreld.names import TIER_NAMES
 from bench.harness import median
 from bench.llama_ref import CACHES, METHODS
-from bench.report import Table, frac, ms, pct, times
+from bench.report import Table, frac, kept_sections, ms, pct, times
 from bench.suite import AgentSection, ChatSection, OverheadSection, Settings, TTFTSection
 from bench.ttft import BarrelSystem
 
@@ -332,5 +332,6 @@ def write(out_dir: Path, s: Settings, m: dict, elapsed: float, ttft: TTFTSection
     doc += ["## 5. Cost", ""]
     doc += [t.markdown() for t in cost_tables(ttft.costs, ov)]
     path = out_dir / "RESULTS.md"
+    doc += kept_sections(path)
     path.write_text("\n".join(doc))
     return path

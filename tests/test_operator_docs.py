@@ -375,7 +375,7 @@ def test_bash_completion_completes_ca_to_cache(barrelctl_on_path: dict[str, str]
     p = _bash_complete(barrelctl_on_path, "barrelctl", "cache", "dump", "--ti")
     assert p.stdout.split() == ["--tier"], (p.stdout, p.stderr)
     p = _bash_complete(barrelctl_on_path, "barrelctl", "")
-    assert {"complete", "load", "unload", "models", "cache", "scheduler", "daemon"} <= set(p.stdout.split())
+    assert {"complete", "chat", "load", "unload", "models", "cache", "scheduler", "daemon"} <= set(p.stdout.split())
 
 
 def test_bash_completion_prints_nothing_on_stderr(barrelctl_on_path: dict[str, str]) -> None:

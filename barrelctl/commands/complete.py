@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Annotated
 
 import typer
 
 from barrelctl import render, state
-from barrelctl.client import Completion, CompletionStream, Token
+from barrelctl.client import Completion
+from barrelctl.conversation import read_messages
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
 
@@ -41,46 +41,13 @@ def done_json(done: Completion) -> dict:
     }
 
 
-def _check(max_tokens: int, temperature: float, seed: int | None) -> None:
+def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> None:
     if max_tokens < 1:
         raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
     if temperature < 0:
         raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
     if seed is not None and not 0 <= seed < 2**32:
         raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
-
-
-def _stream(start: Callable[[], CompletionStream], as_json: bool) -> Completion:
-    """Runs the call, writing tokens to stdout as they come (unless JSON), a spinner on a terminal until the
-    first event; Ctrl-C cancels the request in the daemon too."""
-    status = None
-    if not as_json and sys.stderr.isatty():
-        status = render.err.status("waiting for the model…")
-        status.start()
-    stream = None
-    wrote_newline = True
-    try:
-        stream = start()
-        for ev in stream:
-            if status is not None:
-                status.stop()
-                status = None
-            if isinstance(ev, Token) and not as_json:
-                sys.stdout.buffer.write(ev.text)
-                sys.stdout.buffer.flush()
-                wrote_newline = ev.text.endswith(b"\n")
-        done = stream.result()
-    except KeyboardInterrupt:
-        if stream is not None:
-            stream.cancel()
-        raise
-    finally:
-        if status is not None:
-            status.stop()
-    if not as_json and not wrote_newline:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    return done
 
 
 def complete_run(
@@ -102,15 +69,25 @@ def complete_run(
     chat: Annotated[
         bool, typer.Option("--chat", help="Render PROMPT as one user turn through the model's chat template.")
     ] = False,
+    messages_file: Annotated[
+        str | None,
+        typer.Option("--messages", metavar="FILE", show_default=False,
+                     help="Complete a conversation instead of PROMPT: a JSON array of {role, content} messages "
+                          "(OpenAI's shape), rendered by the model's chat template; '-' reads stdin."),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Stream a completion of PROMPT to stdout."""
-    _check(max_tokens, temperature, seed)
+    """Stream a completion of PROMPT (or of a conversation, --messages) to stdout."""
+    check_sampling(max_tokens, temperature, seed)
     as_json = state.want_json(json_out)
-    text = _read_prompt(prompt)
-    done = _stream(
+    if messages_file is not None and prompt is not None:
+        raise CliError("pass either PROMPT or --messages, not both", EXIT_USAGE)
+    messages = read_messages(messages_file) if messages_file is not None else ()
+    text = b"" if messages else _read_prompt(prompt)
+    done = render.stream(
         lambda: state.client().complete(text, model=model or "", max_tokens=max_tokens, temperature=temperature,
-                                        seed=seed, stop=stop or [], parent_key=parent_key or "", chat=chat),
+                                        seed=seed, stop=stop or [], parent_key=parent_key or "", chat=chat,
+                                        messages=messages),
         as_json,
     )
     if as_json:

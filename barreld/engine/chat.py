@@ -32,13 +32,17 @@ def messages_from(items: Iterable[object]) -> tuple[Message, ...]:
             raise InvalidArgument(f"too many messages; at most {MAX_MESSAGES}")
         if not isinstance(item, Mapping):
             raise InvalidArgument(f"messages[{i}] is not an object with a role and a content")
-        out.append(_message(i, item.get("role"), item.get("content")))
+        out.append(_message(i, item))
     if not out:
         raise InvalidArgument("messages is empty; send at least one message")
     return tuple(out)
 
 
-def _message(i: int, role: object, content: object) -> Message:
+def _message(i: int, item: Mapping) -> Message:
+    missing = [key for key in ("role", "content") if key not in item]
+    if missing:
+        raise InvalidArgument(f"messages[{i}] has no {' and no '.join(missing)}")
+    role, content = item["role"], item["content"]
     if role not in ROLES:
         shown = repr(role)[:40]
         raise InvalidArgument(f"messages[{i}].role {shown} is not one of {', '.join(ROLES)}")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat")
+    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat", "messages", "chat_template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class CompleteRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: bytes
     max_tokens: int
@@ -24,7 +26,17 @@ class CompleteRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     parent_key: str
     chat: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    chat_template: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., chat_template: _Optional[str] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
     __slots__ = ("path", "restored_tokens", "prefilled_tokens", "tier")

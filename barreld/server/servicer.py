@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 import barreld
+from barreld.engine.chat import Message, messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Failed, Started, Token
 from barreld.errors import InvalidArgument, Unavailable
@@ -32,6 +33,7 @@ MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
 MAX_POLICY_TEXT = 64
 MAX_DIGEST = 256
+MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
 SHOWN = 80
 
 
@@ -92,18 +94,36 @@ def completion_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
     stops = tuple(s.encode() for s in req.stop)
     if any(not s or len(s) > MAX_STOP_BYTES for s in stops):
         raise InvalidArgument(f"each stop string must be 1..{MAX_STOP_BYTES} bytes")
-    if not req.prompt:
-        raise InvalidArgument("the prompt is empty; pass some text")
+    messages = conversation(req)
     parent = parse_key(req.parent_key, "parent key") if req.parent_key else None
     return CompletionParams(
         prompt=req.prompt,
         chat=req.chat,
+        messages=messages,
+        chat_template=req.chat_template or None,
         max_tokens=max_tokens,
         temperature=req.temperature,
         seed=req.seed if req.HasField("seed") else None,
         stop=stops,
         parent_key=parent,
     )
+
+
+def conversation(req: pb.CompleteRequest) -> tuple[Message, ...]:
+    """The request's messages, checked by the rules every front end shares; () for a plain prompt.
+
+    A template is refused where nothing would be rendered with it, so a client never believes it applied."""
+    if req.messages and req.prompt:
+        raise InvalidArgument("send either a prompt or messages, not both")
+    if not req.messages and not req.prompt:
+        raise InvalidArgument("the prompt is empty; pass some text")
+    if req.chat_template and not (req.messages or req.chat):
+        raise InvalidArgument("a chat template applies only to messages or a chat prompt; send one of those")
+    if len(req.chat_template) > MAX_TEMPLATE:
+        raise InvalidArgument(f"the chat template is {len(req.chat_template)} characters; at most {MAX_TEMPLATE}")
+    if not req.messages:
+        return ()
+    return messages_from({"role": m.role, "content": m.content} for m in req.messages)
 
 
 def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:

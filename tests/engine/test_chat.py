@@ -38,7 +38,10 @@ def test_openai_shaped_dicts_become_messages_and_other_keys_are_ignored() -> Non
         (["hi"], r"messages\[0\] is not an object"),
         ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], r"messages\[1\]\.role 'robot'"),
         ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be a string, got int"),
-        ([{"content": "a"}], r"messages\[0\]\.role None"),
+        ([{"content": "a"}], r"messages\[0\] has no role$"),
+        ([{"role": "user"}, {}], r"messages\[0\] has no content$"),
+        ([{"role": "user", "content": ""}, {}], r"messages\[1\] has no role and no content"),
+        ([{"role": None, "content": "a"}], r"messages\[0\]\.role None"),
     ],
 )
 def test_a_bad_conversation_is_refused_naming_the_message(items: list, says: str) -> None:
