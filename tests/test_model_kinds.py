@@ -26,8 +26,9 @@ import pytest
 from barreld.engine.backend import BatchItem
 from barreld.engine.llama_backend import ContextSettings, LlamaBackend
 from barreld.engine.registry import bundled_model_path
-from tests.conftest import ROOT
 from tests.models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.model
 
