@@ -9,6 +9,7 @@ turn can reuse it in place; it is saved (reason `evict`) and released only when 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -65,6 +66,9 @@ class ModelWorker:
     # ---- called from server threads -------------------------------------------------------
 
     def submit(self, params: CompletionParams) -> Request:
+        """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
+        client's to choose, and a slow one must not stall the model's thread for everyone else."""
+        params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False)
         with self._cond:
             if self._stopping:
                 raise Unavailable(f"model {self.name} is shutting down; retry once it is loaded again")
@@ -172,7 +176,7 @@ class ModelWorker:
 
     def _prompt(self, p: CompletionParams) -> tuple[list[int], bytes, list[int]]:
         """The prompt's tokens, the bytes they render to, and each token prefix's length in bytes."""
-        tokens = self.backend.tokenize(self._prompt_bytes(p))
+        tokens = self.backend.tokenize(p.prompt)
         if not tokens:
             raise InvalidArgument("the prompt is empty; pass some text")
         self._check_fits(len(tokens))

@@ -79,8 +79,8 @@ def test_the_worker_renders_messages_and_chat_alike(engine: Engine) -> None:
 def test_a_request_template_serves_a_model_without_one(engine: Engine) -> None:
     type(engine.backend()).chat_template = None
     try:
-        failed = engine.run(b"", messages=CONVERSATION)
-        assert isinstance(failed.error, FailedPrecondition) and "model m has no chat template" in str(failed.error)
+        with pytest.raises(FailedPrecondition, match="model m has no chat template"):
+            engine.submit(b"", messages=CONVERSATION)  # refused before it queues: the caller renders
         reply = engine.run(b"", messages=CONVERSATION, chat_template=CHAT_TEMPLATE)
         assert reply.done.finish_reason in ("stop", "length")
     finally:
