@@ -61,6 +61,8 @@ class Row:
     owner: int = 0
     token: str = ""
     aliases: tuple[tuple[bytes, int], ...] = ()
+    memory: str = "full"  # the model's memory kind
+    frontier: int = 0  # leading tokens the state holds reusably (the key covers all `tokens`)
 
     def encode(self) -> bytes:
         d = self.__dict__.copy()
@@ -84,6 +86,7 @@ class Hit:
     tier: str
     total_tokens: int
     text_bytes: int = 0  # rendered bytes of the whole checkpoint (all total_tokens)
+    frontier: int = 0  # leading tokens its state holds reusably
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,8 @@ class Index:
         return chosen
 
     def reserve(
-        self, key: bytes, tier: str, size: int, *, model: str, tokens: int, text_bytes: int, save_reason: str
+        self, key: bytes, tier: str, size: int, *, model: str, tokens: int, text_bytes: int, save_reason: str,
+        memory: str = "full", frontier: int | None = None,
     ) -> Reservation:
         """Claim `key` for one writer and `size` bytes of `tier`, evicting that tier's LRU rows to fit."""
         with self.write() as b:
@@ -286,6 +290,8 @@ class Index:
                     tokens=tokens,
                     text_bytes=text_bytes,
                     save_reason=save_reason,
+                    memory=memory,
+                    frontier=tokens if frontier is None else frontier,
                     status=RESERVED,
                     last_used_ns=self.now_ns(),
                     created=time.time(),
@@ -388,7 +394,7 @@ class Index:
             if raw is not None:
                 row = Row.decode(key, raw)
                 if row.status == AVAILABLE:
-                    return Hit(key, row.tokens, row.tier, row.tokens, row.text_bytes)
+                    return Hit(key, row.tokens, row.tier, row.tokens, row.text_bytes, row.frontier)
             cur = txn.cursor(db=self._aliases)
             if not cur.set_key(key):
                 return None
@@ -403,7 +409,7 @@ class Index:
                     continue
                 rank = (TIER_RANK.get(row.tier, len(TIER_RANK)), row.tokens)
                 if best is None or rank < best[0]:
-                    best = (rank, Hit(row_key, n, row.tier, row.tokens, row.text_bytes))
+                    best = (rank, Hit(row_key, n, row.tier, row.tokens, row.text_bytes, row.frontier))
         return best[1] if best else None
 
     def rows(self) -> list[Row]:

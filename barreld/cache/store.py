@@ -255,6 +255,8 @@ class CacheStore:
                         created=ckpt.created,
                         location=location,
                         aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
+                        memory=ckpt.memory,
+                        frontier=ckpt.frontier_tokens,
                     )
                 )
         if fits:
@@ -338,6 +340,8 @@ class CacheStore:
                 tokens=len(ckpt.tokens),
                 text_bytes=len(ckpt.rendered),
                 save_reason=ckpt.save_reason,
+                memory=ckpt.memory,
+                frontier=ckpt.frontier_tokens,
             )
         except IndexWriteError as e:
             return self._failed(key, tier_name, e)
@@ -482,6 +486,8 @@ class CacheStore:
                 "tokens": r.tokens,
                 "text_bytes": r.text_bytes,
                 "save_reason": r.save_reason,
+                "memory": r.memory,
+                "frontier": r.frontier,
                 "status": r.status,
                 "refcount": index.refcount(r.key),
                 "hits": r.hits,
