@@ -155,22 +155,27 @@ class _Plan:
     length: int
 
 
-def _plan(ckpt: Checkpoint) -> _Plan:
-    """Validate a checkpoint and lay it out; cheap (no payload bytes are touched)."""
+def _check(ckpt: Checkpoint, n_tokens: int) -> None:
+    """Refuses fields that would write a file `decode` rejects."""
     if ckpt.save_reason not in SAVE_REASONS:
         raise ValueError(f"save_reason {ckpt.save_reason!r} is not one of {', '.join(SAVE_REASONS)}")
     if len(ckpt.key) != 32 or len(ckpt.fingerprint) != 32:
         raise ValueError("key and fingerprint must be 32 bytes each")
+    if ckpt.memory not in set(MemoryKind) or not 0 <= ckpt.frontier_tokens <= n_tokens:
+        raise ValueError(f"memory {ckpt.memory!r} and frontier {ckpt.frontier} do not describe the state")
+
+
+def _plan(ckpt: Checkpoint) -> _Plan:
+    """Validate a checkpoint and lay it out; cheap (no payload bytes are touched)."""
     tokens = ckpt.tokens if isinstance(ckpt.tokens, array) and ckpt.tokens.typecode == "i" else None
     if tokens is None:
         tokens = array("i", ckpt.tokens)
+    _check(ckpt, len(tokens))
     rendered = memoryview(ckpt.rendered).cast("B")
     state = memoryview(ckpt.state).cast("B")
     logits = memoryview(ckpt.logits if ckpt.logits is not None else b"").cast("B")
     if len(logits) % 4:
         raise ValueError("logits must be float32 (a multiple of 4 bytes)")
-    if ckpt.memory not in set(MemoryKind) or not 0 <= ckpt.frontier_tokens <= len(tokens):
-        raise ValueError(f"memory {ckpt.memory!r} and frontier {ckpt.frontier} do not describe the state")
     extra = {} if ckpt.logits_at is None else {"logits_at": int(ckpt.logits_at)}
     meta = json.dumps(
         {

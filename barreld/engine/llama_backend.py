@@ -63,22 +63,7 @@ class LlamaBackend:
         if settings.n_ctx > n_ctx_train:
             L.llama_model_free(self._model)
             raise ModelLoadError(f"n_ctx {settings.n_ctx} exceeds the model's training context {n_ctx_train}")
-        threads = settings.n_threads or len(os.sched_getaffinity(0))
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = settings.n_ctx * settings.n_seq_max
-        cparams.n_batch = settings.n_batch
-        cparams.n_ubatch = settings.n_batch
-        cparams.n_seq_max = settings.n_seq_max
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.type_k = settings.type_k
-        cparams.type_v = settings.type_v
-        cparams.flash_attn_type = 1 if settings.flash_attn else 0
-        cparams.swa_full = settings.swa_full
-        cparams.kv_unified = False
-        cparams.no_perf = True
-        self.rope_freq_base = float(cparams.rope_freq_base)
-        self.rope_freq_scale = float(cparams.rope_freq_scale)
+        cparams = self._context_params(settings)
         self._ctx = L.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             L.llama_model_free(self._model)
@@ -98,6 +83,27 @@ class LlamaBackend:
         self.bos_text = self._special_text(L.llama_vocab_bos(self._vocab))
         self.eos_text = self._special_text(L.llama_vocab_eos(self._vocab))
         self._warm_up()
+
+    def _context_params(self, settings: ContextSettings):
+        """llama.cpp's context parameters for these settings; records the RoPE values the key needs."""
+        L = self._L
+        threads = settings.n_threads or len(os.sched_getaffinity(0))
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = settings.n_ctx * settings.n_seq_max
+        cparams.n_batch = settings.n_batch
+        cparams.n_ubatch = settings.n_batch
+        cparams.n_seq_max = settings.n_seq_max
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.type_k = settings.type_k
+        cparams.type_v = settings.type_v
+        cparams.flash_attn_type = 1 if settings.flash_attn else 0
+        cparams.swa_full = settings.swa_full
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        self.rope_freq_base = float(cparams.rope_freq_base)
+        self.rope_freq_scale = float(cparams.rope_freq_scale)
+        return cparams
 
     def _describe_memory(self, settings: ContextSettings) -> None:
         """The memory kind from llama.cpp's own model flags, and what changes the floats it computes."""

@@ -290,8 +290,8 @@ class ModelCache:
         frontier, logits = seq.frontier, seq.frontier_logits
         if self.memory.cuts_states or len(seq.tokens) == frontier:
             state = self.read_state(seq.id) if frontier else None
-            if state is not None and self.memory.cuts_states and len(seq.tokens) > frontier and self.cut_state:
-                state = self.cut_state(state, frontier)
+            if state is not None and self.memory.cuts_states and len(seq.tokens) > frontier:
+                state = self._cut(state, frontier)
         elif seq.snapshot is not None:
             state, frontier, logits = seq.snapshot.state, seq.snapshot.length, seq.snapshot.logits
         else:
@@ -299,6 +299,16 @@ class ModelCache:
         if state is None or not self.memory.reusable(frontier, logits is not None):
             return None
         return Payload(state, frontier, logits)
+
+    def _cut(self, state: bytearray, frontier: int) -> StateBytes:
+        """The state cut at the frontier; whole (a restore cuts it then) when the layout is not understood."""
+        if self.cut_state is None:
+            return state
+        try:
+            return self.cut_state(state, frontier)
+        except stateformat.StateFormatError as exc:
+            log.warning("%s: a state could not be cut (%s); it is stored whole", self.model, exc)
+            return state
 
     def _save(self, seq: Sequence, reason: str, *, sync: bool, deadline: float | None = None) -> bool:
         if self.store is None or not self.policy.allows_save(seq.frontier):
