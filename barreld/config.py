@@ -17,7 +17,15 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from barreld.cache.policy import Policy, PolicyError
-from barreld.names import FINGERPRINT_MODES, TIER_NAMES, model_name_problem
+from barreld.cache.remote.settings import (
+    DEFAULT_PREFIX,
+    DEFAULT_TIMEOUT_MS,
+    URL_ENV,
+    RedisSettings,
+    prefix_problem,
+    url_problem,
+)
+from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES, model_name_problem
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
 from barreld.sizes import parse_size
@@ -87,6 +95,7 @@ class Config:
     policy: Policy
     scheduler: SchedulerConfig
     models: tuple[ModelConfig, ...]
+    redis: RedisSettings | None = None  # the shared tier: [tiers.redis] or $BARREL_REDIS_URL; None: no such tier
 
 
 def default_config_path() -> Path | None:
@@ -161,13 +170,16 @@ class _Reader:
             except KeyError:
                 self.fail("daemon.socket_group", f"no such group {socket_group!r}")
         tiers = self.tiers(data, data_dir)
+        redis = self.redis(self.table(data, "tiers", None))
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
-        return Config(path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models)
+        return Config(
+            path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, redis
+        )
 
     def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
-        tables = self.table(data, "tiers", TIER_NAMES)
+        tables = self.table(data, "tiers", (*TIER_NAMES, REDIS_TIER))
         defaults: dict[str, tuple[str, Path | None]] = {
             "ram": ("2G", None),
             "ram_file": ("4G", Path(f"/dev/shm/barrel-{os.getuid()}")),
@@ -179,10 +191,7 @@ class _Reader:
                 tables, name, ("quota",) if root is None else ("quota", "root"), f"tiers.{name}"
             )
             key = f"tiers.{name}"
-            try:
-                quota_bytes = parse_size(table.get("quota", quota))
-            except ValueError as e:
-                self.fail(f"{key}.quota", str(e))
+            quota_bytes = self.size(table.get("quota", quota), f"{key}.quota")
             if "root" in table:
                 root = self.path(table["root"], f"{key}.root")
             if root is not None:
@@ -191,6 +200,32 @@ class _Reader:
         if tiers["ram_file"].root == tiers["disk"].root:
             self.fail("tiers.disk.root", "must not be the same directory as tiers.ram_file.root")
         return MappingProxyType(tiers)
+
+    def redis(self, tables: dict[str, Any]) -> RedisSettings | None:
+        """The shared tier, when its table or $BARREL_REDIS_URL names a server; the variable wins over `url`
+        so that a password can stay out of the file. Errors never repeat the URL's credentials."""
+        key = f"tiers.{REDIS_TIER}"
+        table = self.table(tables, REDIS_TIER, _field_names(RedisSettings), key)
+        env_url = os.environ.get(URL_ENV) or None
+        if REDIS_TIER not in tables and env_url is None:
+            return None
+        if env_url is None and "url" not in table:
+            self.fail(f"{key}.url", f"missing: the Redis server's URL (or set ${URL_ENV})")
+        url = env_url if env_url is not None else self.string(table["url"], f"{key}.url")
+        problem = url_problem(url)
+        if problem:
+            self.fail(f"{key}.url", problem if env_url is None else f"from ${URL_ENV}: {problem}")
+        prefix = self.string(table.get("prefix", DEFAULT_PREFIX), f"{key}.prefix")
+        problem = prefix_problem(prefix)
+        if problem:
+            self.fail(f"{key}.prefix", f"bad prefix {prefix!r}: {problem}")
+        return RedisSettings(
+            url=url,
+            quota=self.size(table["quota"], f"{key}.quota") if "quota" in table else None,
+            prefix=prefix,
+            timeout_ms=self.integer(table.get("timeout_ms", DEFAULT_TIMEOUT_MS), f"{key}.timeout_ms", 1),
+            write=self.boolean(table.get("write", True), f"{key}.write"),
+        )
 
     def scheduler(self, table: dict[str, Any]) -> SchedulerConfig:
         d = SchedulerConfig()
@@ -313,6 +348,12 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.fail(key, f"expected a whole number >= {minimum}, got {value!r}")
         return value
+
+    def size(self, value: Any, key: str) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(key, str(e))
 
     def fraction(self, value: object, key: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
