@@ -127,6 +127,7 @@ class Servicer(pb_grpc.BarrelServicer):
         scheduler_status: Callable[[], dict],
         request_shutdown: Callable[[], None],
         metrics: Metrics | None = None,
+        http_address: str = "",
     ) -> None:
         self.registry = registry
         self.store = store
@@ -137,6 +138,7 @@ class Servicer(pb_grpc.BarrelServicer):
         self.scheduler_status = scheduler_status
         self.request_shutdown = request_shutdown
         self.metrics = metrics
+        self.http_address = http_address
         self.started = time.time()
         self.stopping = False
 
@@ -268,6 +270,7 @@ class Servicer(pb_grpc.BarrelServicer):
             version=barreld.__version__,
             models=len(self.registry.models()),
             config=str(self.config or ""),
+            http=self.http_address,
         )
 
     @rpc
