@@ -210,6 +210,15 @@ def test_a_completion_reports_usage_and_the_cache_and_a_repeat_is_warm(healthy: 
     assert again["barrel"]["cache"]["restored_tokens"] >= 58 and again["choices"][0]["text"] == choice["text"]
 
 
+def test_defaults_are_greedy_and_16_tokens_for_a_completion(healthy: Served) -> None:
+    prompt = plain(20, 9).decode()
+    status, _, default = healthy.request("POST", "/v1/completions", {"model": "", "prompt": prompt})
+    assert status == 200 and default["model"] == "m"   # no model: the default one
+    assert default["usage"]["completion_tokens"] == 16 or default["choices"][0]["finish_reason"] == "stop"
+    greedy = healthy.complete(prompt=prompt, max_tokens=16)
+    assert default["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
 def test_chat_through_the_sdk_streamed_and_not_give_the_same_reply(healthy: Served) -> None:
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "you"}]}]

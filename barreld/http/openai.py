@@ -2,8 +2,10 @@
 dicts: the request body to a CompletionParams factory, the worker's events to reply documents and chunks.
 
 Fields OpenAI has and Barrel does not use are ignored, as OpenAI ignores unknown ones; a field of the wrong
-type is InvalidArgument (400). Defaults follow OpenAI: temperature 1, max_tokens 16 for completions, and
-no limit for chat (generation ends at a stop or when the context is full).
+type is InvalidArgument (400). max_tokens defaults as OpenAI's does: 16 for completions, and no limit for chat
+(generation ends at a stop or when the context is full). Temperature defaults to Barrel's 0, not OpenAI's 1:
+the sampler has no nucleus cut, so at 1 it samples the whole tail of the distribution, and greedy replies are
+the ones a warm start reproduces byte for byte.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from barreld.errors import InvalidArgument
 from barreld.server.frontend import completion_params
 
 COMPLETIONS_MAX_TOKENS = 16
-DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TEMPERATURE = 0.0
 DONE_LINE = b"data: [DONE]\n\n"
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
