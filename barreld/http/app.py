@@ -179,21 +179,21 @@ class HttpApi:
     async def _complete(self, request: Request, chat: bool) -> Response:
         self._check_open()
         req = parse_request(await read_json(request), chat)
-        call = await anyio.to_thread.run_sync(start_call, self.registry, req.model, req.params, self.metrics, "http")
-        events = Events(call)
+        events = Events(lambda: start_call(self.registry, req.model, req.params, self.metrics, "http"))
         try:
-            first = await until_disconnected(request, call, events.next())
-            reply = Reply(req, call.model.name)
+            first = await until_disconnected(request, events.cancel, events.next())
+            reply = Reply(req, events.model)
             if req.stream:
-                return StreamingResponse(self._sse(call, events, reply, first), media_type="text/event-stream",
+                return StreamingResponse(self._sse(events, reply, first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            done = first if isinstance(first, Done) else await until_disconnected(request, call, events.done())
+            done = first if isinstance(first, Done) else await until_disconnected(request, events.cancel,
+                                                                                  events.done())
             return JSONResponse(reply.document(done))
         except BaseException:
-            call.cancel()
+            events.cancel()
             raise
 
-    async def _sse(self, call: Call, events: Events, reply: Reply, ev: Started | Token | Done) -> AsyncIterator[bytes]:
+    async def _sse(self, events: Events, reply: Reply, ev: Started | Token | Done) -> AsyncIterator[bytes]:
         """The stream of chunks; a failure after the first event ends it with an error chunk (the status
         line is sent by then), as OpenAI's streams do."""
         try:
@@ -208,33 +208,60 @@ class HttpApi:
             err = api_error(exc, "stream")
             yield sse_line({"error": {"message": err.message, "type": err.kind, "param": None, "code": err.code}})
         finally:
-            call.cancel()
+            events.cancel()
 
 
 class Events:
-    """A call's events, read to the end on a thread of its own and handed to the event loop.
+    """One call, started and read to the end on a thread of its own, its events handed to the event loop.
 
-    Reading to the end even after the client has gone lets the call count itself (a cancelled request's
-    tokens too), and the event loop never blocks nor leaves a waiting thread behind when a wait is cancelled.
+    The thread submits the request itself (finding the model may wait for a load) and so saves the event
+    loop a round trip to another thread before the first token. Reading to the end even after the client
+    has gone lets the call count itself (a cancelled request's tokens too); the event loop never blocks,
+    nor leaves a waiting thread behind when a wait is cancelled.
     """
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, start: Callable[[], Call]) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Started | Token | Done | Exception] = asyncio.Queue()
-        threading.Thread(target=self._pump, args=(call,), name="http-events", daemon=True).start()
+        self._call: Call | None = None
+        self._cancelled = False
+        threading.Thread(target=self._pump, args=(start,), name="http-call", daemon=True).start()
 
-    def _pump(self, call: Call) -> None:
+    @property
+    def model(self) -> str:
+        """The model's name, known once the first event has arrived."""
+        assert self._call is not None
+        return self._call.model.name
+
+    def cancel(self) -> None:
+        """The client is gone: stop the call, now or as soon as it has started."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    def _pump(self, start: Callable[[], Call]) -> None:
+        try:
+            self._call = start()
+        except Exception as exc:  # noqa: BLE001 - raised again on the event loop
+            self._hand(exc)
+            return
+        if self._cancelled:
+            self._call.cancel()
         while True:
             try:
-                item: Started | Token | Done | Exception = call.next_event()
+                item: Started | Token | Done | Exception = self._call.next_event()
             except Exception as exc:  # noqa: BLE001 - raised again on the event loop
                 item = exc
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: barreld is stopping
+            if not self._hand(item) or isinstance(item, Done | Exception):
                 return
-            if isinstance(item, Done | Exception):
-                return
+
+    def _hand(self, item: Started | Token | Done | Exception) -> bool:
+        """Queues `item` for the event loop; False once the loop has closed (barreld is stopping)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
     async def next(self) -> Started | Token | Done:
         item = await self._queue.get()
@@ -284,15 +311,15 @@ async def read_json(request: Request) -> dict[str, Any]:
     return doc
 
 
-async def until_disconnected(request: Request, call: Call, wait: Awaitable[Any]) -> Any:
-    """Awaits `wait` while listening for the client hanging up; if it does, the call is cancelled and
+async def until_disconnected(request: Request, cancel: Callable[[], None], wait: Awaitable[Any]) -> Any:
+    """Awaits `wait` while listening for the client hanging up; if it does, `cancel()` is called and
     ClientGone raised (nobody is left to answer). What `wait` raises is raised as it is."""
     outcome: list[Any] = []
 
     async def listen(scope: anyio.CancelScope) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        call.cancel()
+        cancel()
         scope.cancel()
 
     async with anyio.create_task_group() as tg:
