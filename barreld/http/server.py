@@ -82,8 +82,8 @@ class HttpServer:
     def start(self, app: ASGIApp) -> None:
         """Serves `app` on the bound socket from a thread of its own; returns once uvicorn is serving."""
         config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, server_header=False,
-            timeout_graceful_shutdown=GRACE_S,
+            app, http="httptools", loop="asyncio", lifespan="off", log_config=None, access_log=False,
+            server_header=False, timeout_graceful_shutdown=GRACE_S,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],), name="http", daemon=True)
