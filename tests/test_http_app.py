@@ -385,6 +385,9 @@ def test_metrics_count_requests_tokens_hits_and_tiers(healthy: Served) -> None:
         ({"model": "m", "prompt": "x", "parent_key": "abc"}, ["bad parent key"]),
         ({"model": "m", "prompt": "x", "stop": [""]}, ["stop string"]),
         ({"model": "m", "prompt": "y" * (N_CTX + 10)}, ["context holds 256"]),
+        ({"model": "m", "prompt": "\ud800"}, ["prompt holds an unpaired surrogate"]),
+        ({"model": "m", "prompt": "x", "stop": "\udc00"}, ["stop holds an unpaired surrogate"]),
+        ({"model": "m", "prompt": "x", "stop": ["ok", "\udc00"]}, ["stop holds an unpaired surrogate"]),
     ],
 )
 def test_bad_completion_requests_are_400(healthy: Served, body: dict, words: list[str]) -> None:
@@ -403,6 +406,9 @@ def test_bad_completion_requests_are_400(healthy: Served, body: dict, words: lis
         ({"model": "m", "messages": [{"role": ["user"], "content": "x"}]}, ["messages[0].role"]),
         ({"model": "m", "messages": [{"role": "user", "content": None}]}, ["messages[0].content"]),
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, ["text parts"]),
+        ({"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}, ["messages[0].content holds"]),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         ["messages[0].content holds"]),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          ["bad max_tokens 0"]),
     ],

@@ -53,12 +53,14 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
+    def doc(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+
     def response(self) -> JSONResponse:
         headers = RETRY_AFTER if self.status in (429, 503) else None
         if self.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
-        doc = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
-        return JSONResponse(doc, self.status, headers=headers)
+        return JSONResponse(self.doc(), self.status, headers=headers)
 
 
 def api_error(exc: Exception, where: str) -> ApiError:
@@ -106,7 +108,9 @@ class HttpApi:
 
     # ---- plumbing ---------------------------------------------------------------------------------
 
-    def _guard(self, handler: Callable[[Request], Awaitable[Response]], auth: bool = True):
+    def _guard(
+        self, handler: Callable[[Request], Awaitable[Response]], auth: bool = True
+    ) -> Callable[[Request], Awaitable[Response]]:
         """Checks the bearer key, then runs the handler; whatever it raises is answered in OpenAI's shape."""
 
         async def endpoint(request: Request) -> Response:
@@ -205,8 +209,7 @@ class HttpApi:
                 ev = await events.next()
             yield DONE_LINE
         except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
-            err = api_error(exc, "stream")
-            yield sse_line({"error": {"message": err.message, "type": err.kind, "param": None, "code": err.code}})
+            yield sse_line(api_error(exc, "stream").doc())
         finally:
             events.cancel()
 

@@ -117,16 +117,25 @@ def _prompt(body: Body) -> bytes:
         prompt = prompt[0]
     if not prompt:
         raise InvalidArgument("prompt is missing or empty; send some text")
-    return prompt.encode()
+    return utf8(prompt, "prompt")
+
+
+def utf8(text: str, what: str) -> bytes:
+    """JSON can spell a lone UTF-16 surrogate (\\ud800), which no UTF-8 text holds: a 400, not a crash."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what} holds an unpaired surrogate (\\ud800-\\udfff); send valid Unicode") from None
 
 
 def _stop(body: Body) -> tuple[str, ...]:
     stop = body.get("stop", (str, list), "a string or a list of strings")
-    if isinstance(stop, str):
-        return (stop,)
-    if stop is not None and not all(isinstance(s, str) for s in stop):
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) for s in stops):
         raise InvalidArgument("stop must be a string or a list of strings")
-    return tuple(stop or ())
+    for s in stops:
+        utf8(s, "stop")
+    return stops
 
 
 def _messages(body: Body) -> tuple[Message, ...]:
@@ -145,6 +154,8 @@ def _messages(body: Body) -> tuple[Message, ...]:
 
 
 def _content(i: int, content: object) -> object:
+    if isinstance(content, str):
+        utf8(content, f"messages[{i}].content")
     if not isinstance(content, list):
         return content
     texts = []
@@ -152,7 +163,7 @@ def _content(i: int, content: object) -> object:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise InvalidArgument(f"messages[{i}].content: only text parts ({{type: text, text}}) are supported")
         texts.append(part["text"])
-    return "".join(texts)
+    return _content(i, "".join(texts))
 
 
 def usage_doc(done: Done) -> dict[str, Any]:
