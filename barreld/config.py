@@ -25,6 +25,7 @@ from barreld.cache.remote.settings import (
     prefix_problem,
     url_problem,
 )
+from barreld.http.address import ListenAddress, load_api_keys, parse_listen
 from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES, model_name_problem
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
@@ -67,6 +68,15 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API: off unless `listen` is set; keys read (and checked) at load."""
+
+    listen: ListenAddress | None = None
+    api_keys_file: Path | None = None
+    api_keys: tuple[bytes, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A model loaded at start, as `barrelctl load` would: None means that option's default."""
 
@@ -95,6 +105,7 @@ class Config:
     policy: Policy
     scheduler: SchedulerConfig
     models: tuple[ModelConfig, ...]
+    http: HttpConfig = field(default_factory=HttpConfig)
     redis: RedisSettings | None = None  # the shared tier: [tiers.redis] or $BARREL_REDIS_URL; None: no such tier
 
 
@@ -150,7 +161,7 @@ class _Reader:
         raise ConfigError(self.file, key, reason)
 
     def config(self, path: Path | None, data: dict[str, Any], data_dir: Path | None) -> Config:
-        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models"))
+        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models", "http"))
         daemon = self.table(data, "daemon", ("socket", "data_dir", "writers", "max_queue", "socket_group"))
         if data_dir is not None:
             data_dir, data_dir_key = data_dir.expanduser().absolute(), "data_dir"
@@ -174,9 +185,26 @@ class _Reader:
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
+        http = self.http(self.table(data, "http", ("listen", "api_keys_file")))
         return Config(
-            path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, redis
+            path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, http, redis
         )
+
+    def http(self, table: dict[str, Any]) -> HttpConfig:
+        listen = keys_file = None
+        keys: tuple[bytes, ...] = ()
+        if "listen" in table:
+            try:
+                listen = parse_listen(self.string(table["listen"], "http.listen"), self.base)
+            except ValueError as e:
+                self.fail("http.listen", str(e))
+        if "api_keys_file" in table:
+            keys_file = self.path(table["api_keys_file"], "http.api_keys_file")
+            try:
+                keys = load_api_keys(keys_file)
+            except ValueError as e:
+                self.fail("http.api_keys_file", str(e))
+        return HttpConfig(listen, keys_file, keys)
 
     def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
         tables = self.table(data, "tiers", (*TIER_NAMES, REDIS_TIER))
