@@ -17,7 +17,23 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from barreld.cache.policy import Policy, PolicyError
-from barreld.names import FINGERPRINT_MODES, KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, model_name_problem
+from barreld.cache.remote.settings import (
+    DEFAULT_PREFIX,
+    DEFAULT_TIMEOUT_MS,
+    URL_ENV,
+    RedisSettings,
+    prefix_problem,
+    url_problem,
+)
+from barreld.http.address import ListenAddress, load_api_keys, parse_listen
+from barreld.names import (
+    FINGERPRINT_MODES,
+    KV_CACHE_TYPES,
+    PLAIN_KV_TYPES,
+    REDIS_TIER,
+    TIER_NAMES,
+    model_name_problem,
+)
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
 from barreld.sizes import parse_size
@@ -56,6 +72,15 @@ class SchedulerConfig:
     high_watermark: float = 0.85
     low_watermark: float = 0.75
     evict_tiers: tuple[str, ...] = ("ram", "ram_file")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API: off unless `listen` is set; keys read (and checked) at load."""
+
+    listen: ListenAddress | None = None
+    api_keys_file: Path | None = None
+    api_keys: tuple[bytes, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,8 @@ class Config:
     policy: Policy
     scheduler: SchedulerConfig
     models: tuple[ModelConfig, ...]
+    http: HttpConfig = field(default_factory=HttpConfig)
+    redis: RedisSettings | None = None  # the shared tier: [tiers.redis] or $BARREL_REDIS_URL; None: no such tier
 
 
 def default_config_path() -> Path | None:
@@ -152,7 +179,7 @@ class _Reader:
         raise ConfigError(self.file, key, reason)
 
     def config(self, path: Path | None, data: dict[str, Any], data_dir: Path | None) -> Config:
-        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models"))
+        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models", "http"))
         daemon = self.table(data, "daemon", ("socket", "data_dir", "writers", "max_queue", "socket_group"))
         if data_dir is not None:
             data_dir, data_dir_key = data_dir.expanduser().absolute(), "data_dir"
@@ -172,13 +199,33 @@ class _Reader:
             except KeyError:
                 self.fail("daemon.socket_group", f"no such group {socket_group!r}")
         tiers = self.tiers(data, data_dir)
+        redis = self.redis(self.table(data, "tiers", None))
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
-        return Config(path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models)
+        http = self.http(self.table(data, "http", ("listen", "api_keys_file")))
+        return Config(
+            path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, http, redis
+        )
+
+    def http(self, table: dict[str, Any]) -> HttpConfig:
+        listen = keys_file = None
+        keys: tuple[bytes, ...] = ()
+        if "listen" in table:
+            try:
+                listen = parse_listen(self.string(table["listen"], "http.listen"), self.base)
+            except ValueError as e:
+                self.fail("http.listen", str(e))
+        if "api_keys_file" in table:
+            keys_file = self.path(table["api_keys_file"], "http.api_keys_file")
+            try:
+                keys = load_api_keys(keys_file)
+            except ValueError as e:
+                self.fail("http.api_keys_file", str(e))
+        return HttpConfig(listen, keys_file, keys)
 
     def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
-        tables = self.table(data, "tiers", TIER_NAMES)
+        tables = self.table(data, "tiers", (*TIER_NAMES, REDIS_TIER))
         defaults: dict[str, tuple[str, Path | None]] = {
             "ram": ("2G", None),
             "ram_file": ("4G", Path(f"/dev/shm/barrel-{os.getuid()}")),
@@ -190,10 +237,7 @@ class _Reader:
                 tables, name, ("quota",) if root is None else ("quota", "root"), f"tiers.{name}"
             )
             key = f"tiers.{name}"
-            try:
-                quota_bytes = parse_size(table.get("quota", quota))
-            except ValueError as e:
-                self.fail(f"{key}.quota", str(e))
+            quota_bytes = self.size(table.get("quota", quota), f"{key}.quota")
             if "root" in table:
                 root = self.path(table["root"], f"{key}.root")
             if root is not None:
@@ -202,6 +246,32 @@ class _Reader:
         if tiers["ram_file"].root == tiers["disk"].root:
             self.fail("tiers.disk.root", "must not be the same directory as tiers.ram_file.root")
         return MappingProxyType(tiers)
+
+    def redis(self, tables: dict[str, Any]) -> RedisSettings | None:
+        """The shared tier, when its table or $BARREL_REDIS_URL names a server; the variable wins over `url`
+        so that a password can stay out of the file. Errors never repeat the URL's credentials."""
+        key = f"tiers.{REDIS_TIER}"
+        table = self.table(tables, REDIS_TIER, _field_names(RedisSettings), key)
+        env_url = os.environ.get(URL_ENV) or None
+        if REDIS_TIER not in tables and env_url is None:
+            return None
+        if env_url is None and "url" not in table:
+            self.fail(f"{key}.url", f"missing: the Redis server's URL (or set ${URL_ENV})")
+        url = env_url if env_url is not None else self.string(table["url"], f"{key}.url")
+        problem = url_problem(url)
+        if problem:
+            self.fail(f"{key}.url", problem if env_url is None else f"from ${URL_ENV}: {problem}")
+        prefix = self.string(table.get("prefix", DEFAULT_PREFIX), f"{key}.prefix")
+        problem = prefix_problem(prefix)
+        if problem:
+            self.fail(f"{key}.prefix", f"bad prefix {prefix!r}: {problem}")
+        return RedisSettings(
+            url=url,
+            quota=self.size(table["quota"], f"{key}.quota") if "quota" in table else None,
+            prefix=prefix,
+            timeout_ms=self.integer(table.get("timeout_ms", DEFAULT_TIMEOUT_MS), f"{key}.timeout_ms", 1),
+            write=self.boolean(table.get("write", True), f"{key}.write"),
+        )
 
     def scheduler(self, table: dict[str, Any]) -> SchedulerConfig:
         d = SchedulerConfig()
@@ -345,6 +415,12 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.fail(key, f"expected a whole number >= {minimum}, got {value!r}")
         return value
+
+    def size(self, value: Any, key: str) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(key, str(e))
 
     def fraction(self, value: object, key: str) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:

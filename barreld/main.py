@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import barreld
+from barreld.http.address import ListenAddress, parse_listen
 from barreld.paths import SOCKET_ENV, default_socket, private_dir
 
 if TYPE_CHECKING:
@@ -42,6 +44,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="TOML config file (default: $XDG_CONFIG_HOME/barrel/barreld.toml, then /etc/barrel/barreld.toml)",
     )
     p.add_argument(
+        "--http",
+        type=_listen_address,
+        default=None,
+        metavar="ADDR",
+        help="serve the OpenAI-compatible HTTP API on ADDR: HOST:PORT (loopback unless [http] api_keys_file "
+        "is set), [IPv6]:PORT or unix:PATH (default: the config's [http] listen, else off)",
+    )
+    p.add_argument(
         "--log-level",
         default=os.environ.get("BARREL_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -49,6 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--version", action="version", version=f"barreld {barreld.__version__}")
     return p.parse_args(argv)
+
+
+def _listen_address(text: str) -> ListenAddress:
+    try:
+        return parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"barreld: {exc}", file=sys.stderr)
         return 1
+    if args.http is not None:
+        config = dataclasses.replace(config, http=dataclasses.replace(config.http, listen=args.http))
     # The server (gRPC, numpy, llama.cpp) is imported once the config is known to be good: a bad one
     # is reported without that cost.
     from barreld.server.daemon import StartupError

@@ -14,6 +14,9 @@ TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
 
 TIER_RANK: dict[str, int] = {name: rank for rank, name in enumerate(TIER_NAMES)}
 
+REDIS_TIER = "redis"
+"""The shared tier on a Redis server, beneath the local ones; not in TIER_NAMES, which holds this host's own."""
+
 FINGERPRINT_MODES: tuple[str, ...] = ("safe", "gguf_chunked", "fast_unsafe")
 """How a model file is fingerprinted for its keys (see `barreld.cache.key.fingerprint_gguf`)."""
 

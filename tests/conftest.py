@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from barrelctl.sandbox import Sandbox
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -22,3 +23,11 @@ def served() -> Iterator[Sandbox]:
     with Sandbox.new() as w:
         w.start_daemon()
         yield w
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server of the test's own (loopback port and Unix socket, no persistence); the test
+    fails, never skips, when redis-server is not installed."""
+    with RedisServer.start() as server:
+        yield server

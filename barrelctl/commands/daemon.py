@@ -16,7 +16,7 @@ app = typer.Typer(help="Is barreld up; stop it cleanly.", no_args_is_help=True)
 
 @app.command("status")
 def daemon_status(json_out: JsonOpt = False) -> None:
-    """Show pid, uptime, socket, data dir and version (exit 3 when no daemon answers)."""
+    """Show pid, uptime, socket, HTTP address, data dir and version (exit 3 when no daemon answers)."""
     state.options.autostart = False
     s = state.client().daemon_status(timeout=5.0)
     doc = {
@@ -24,6 +24,7 @@ def daemon_status(json_out: JsonOpt = False) -> None:
         "pid": s.pid,
         "uptime_s": round(s.uptime_s, 3),
         "socket": s.socket,
+        "http": s.http or None,
         "data_dir": s.data_dir,
         "version": s.version,
         "models": s.models,
@@ -38,6 +39,7 @@ def daemon_status(json_out: JsonOpt = False) -> None:
                 ("pid", s.pid),
                 ("uptime", render.duration(s.uptime_s)),
                 ("socket", s.socket),
+                ("http", s.http or "off"),
                 ("data dir", s.data_dir),
                 ("version", s.version),
                 ("models", s.models),

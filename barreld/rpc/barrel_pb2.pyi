@@ -387,7 +387,7 @@ class DaemonStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatusReply(_message.Message):
-    __slots__ = ("pid", "uptime_s", "socket", "data_dir", "version", "models", "config")
+    __slots__ = ("pid", "uptime_s", "socket", "data_dir", "version", "models", "config", "http")
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +395,7 @@ class DaemonStatusReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
     pid: int
     uptime_s: float
     socket: str
@@ -402,7 +403,8 @@ class DaemonStatusReply(_message.Message):
     version: str
     models: int
     config: str
-    def __init__(self, pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., data_dir: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[int] = ..., config: _Optional[str] = ...) -> None: ...
+    http: str
+    def __init__(self, pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., data_dir: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[int] = ..., config: _Optional[str] = ..., http: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

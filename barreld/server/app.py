@@ -1,4 +1,5 @@
-"""Wires one daemon together: config → cache store → models → pressure scheduler → gRPC server."""
+"""Wires one daemon together: config → cache store → models → pressure scheduler → gRPC server, and the
+HTTP API when the config asks for it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import grp
 import logging
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from barreld.config import Config
 from barreld.engine.registry import LoadOptions, ModelRegistry
@@ -13,7 +15,11 @@ from barreld.errors import BarrelError
 from barreld.pressure.scheduler import PressureScheduler
 from barreld.pressure.sources import make_source
 from barreld.server.daemon import DataDirLock, GrpcServer, ShutdownSignal, StartupError, notify_systemd
+from barreld.server.metrics import Metrics
 from barreld.server.servicer import Servicer
+
+if TYPE_CHECKING:
+    from barreld.http.server import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +37,18 @@ class Daemon:
         self.registry: ModelRegistry | None = None
         self.server: GrpcServer | None = None
         self.servicer: Servicer | None = None
+        self.http: HttpServer | None = None
+        self.ready = threading.Event()  # the configured models are loaded
 
     def start(self) -> None:
+        group = grp.getgrnam(self.config.socket_group).gr_gid if self.config.socket_group else None
         self.lock.acquire()
+        self.http = self._bind_http(group)
         self.signal.install()
         self.store = self._open_store()
         self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue)
         self.scheduler = self._start_scheduler()
+        metrics = Metrics(self.store, self.registry.models)
         self.servicer = Servicer(
             self.registry,
             self.store,
@@ -47,12 +58,35 @@ class Daemon:
             load_defaults=lambda: LoadOptions(),
             scheduler_status=self._scheduler_status,
             request_shutdown=self.signal.request,
+            metrics=metrics,
+            http_address=str(self.http.address) if self.http else "",
         )
-        group = grp.getgrnam(self.config.socket_group).gr_gid if self.config.socket_group else None
         self.server = GrpcServer(self.servicer, self.socket, group=group)
         self.server.start()
+        if self.http is not None:
+            self._start_http(metrics)
         self._load_configured_models()
+        self.ready.set()
         notify_systemd("READY=1")
+
+    def _bind_http(self, group: int | None) -> HttpServer | None:
+        """Binds the HTTP listener early, so a refused address or a taken port stops the start at once."""
+        http = self.config.http
+        if http.listen is None:
+            return None
+        from barreld.http.server import HttpServer, check_exposure
+
+        check_exposure(http.listen, bool(http.api_keys))
+        server = HttpServer(http.listen, group=group)
+        server.bind()
+        return server
+
+    def _start_http(self, metrics: Metrics) -> None:
+        from barreld.http.app import DaemonState, HttpApi
+
+        state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.servicer.stopping)
+        api = HttpApi(self.registry, metrics, state, self.config.http.api_keys)
+        self.http.start(api.app)
 
     def _open_store(self):
         from barreld.cache import CacheStore
@@ -118,10 +152,14 @@ class Daemon:
         notify_systemd("STOPPING=1")
         self.servicer.stopping = True
         self.server.stop_accepting()
+        if self.http is not None:
+            self.http.stop_accepting()
         stopper = threading.Thread(target=self.server.stop, args=(5.0,), daemon=True)
         stopper.start()
         saved = self.registry.close()
         stopper.join(6.0)
+        if self.http is not None:
+            self.http.join(6.0)
         if self.scheduler is not None:
             self.scheduler.stop()
         if self.store is not None:

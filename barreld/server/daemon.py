@@ -83,7 +83,7 @@ def prepare_socket(path: Path, group: int | None = None) -> None:
         private_dir(parent)
     st = parent.stat()
     if st.st_uid != os.getuid():
-        raise StartupError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us; choose another --socket")
+        raise StartupError(f"socket directory {parent} belongs to uid {st.st_uid}, not to us; choose another")
     if group is not None:
         os.chown(parent, -1, group)
         os.chmod(parent, 0o750)
@@ -91,7 +91,7 @@ def prepare_socket(path: Path, group: int | None = None) -> None:
         os.chmod(parent, 0o700)
     if path.exists() or path.is_symlink():
         if socket_answers(path):
-            raise StartupError(f"another barreld already answers on {path}; stop it or pass another --socket")
+            raise StartupError(f"another process already answers on {path}; stop it or choose another path")
         path.unlink()
 
 

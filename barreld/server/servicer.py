@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import threading
@@ -15,42 +14,29 @@ from typing import TYPE_CHECKING
 import grpc
 
 import barreld
-from barreld.engine.chat import Message, messages_from
+from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
-from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Failed, Started, Token
+from barreld.engine.request import CompletionParams, Done, Started, Token
 from barreld.errors import InvalidArgument, Unavailable
-from barreld.names import FINGERPRINT_MODES, MODEL_NAME_MAX, TIER_NAMES
+from barreld.names import FINGERPRINT_MODES, TIER_NAMES
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
+from barreld.server.frontend import check_model_name, completion_params, show, start_call
 from barreld.server.status import rpc
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
+    from barreld.server.metrics import Metrics
 
-MAX_STOPS = 16
-MAX_STOP_BYTES = 256
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
 MAX_POLICY_TEXT = 64
 MAX_DIGEST = 256
-MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
-SHOWN = 80
-
-
-def show(text: str) -> str:
-    """A client's string as quoted in an error, cut short: a status message travels in gRPC metadata, which
-    peers refuse beyond 16 KiB (the client would see RESOURCE_EXHAUSTED instead of our answer)."""
-    return repr(text) if len(text) <= SHOWN else repr(text[:SHOWN]) + f"... ({len(text)} characters)"
 
 
 def check_tier(tier: str) -> None:
     if tier not in TIER_NAMES:
         raise InvalidArgument(f"unknown tier {show(tier)}; use one of {', '.join(TIER_NAMES)}")
-
-
-def check_model_name(name: str) -> None:
-    if len(name) > MODEL_NAME_MAX:
-        raise InvalidArgument(f"bad model name {show(name)}: longer than {MODEL_NAME_MAX} characters")
 
 
 def check_load(request: pb.LoadModelRequest) -> None:
@@ -74,56 +60,19 @@ def check_load(request: pb.LoadModelRequest) -> None:
         raise InvalidArgument(f"bad fingerprint {show(fp)}: expected safe, gguf_chunked or fast_unsafe:DIGEST")
 
 
-def parse_key(text: str, what: str) -> bytes:
-    if len(text) != 64:
-        raise InvalidArgument(f"bad {what} {show(text)}: expected 64 hex digits")
-    try:
-        return bytes.fromhex(text)
-    except ValueError:
-        raise InvalidArgument(f"bad {what} {show(text)}: expected 64 hex digits") from None
-
-
-def completion_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
-    max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    if not 1 <= max_tokens <= n_ctx:
-        raise InvalidArgument(f"bad max_tokens {max_tokens}: expected 1..{n_ctx} (the model's n_ctx)")
-    if not math.isfinite(req.temperature) or not 0 <= req.temperature <= 100:
-        raise InvalidArgument(f"bad temperature {req.temperature}: expected a number from 0 to 100")
-    if len(req.stop) > MAX_STOPS:
-        raise InvalidArgument(f"too many stop strings ({len(req.stop)}); at most {MAX_STOPS}")
-    stops = tuple(s.encode() for s in req.stop)
-    if any(not s or len(s) > MAX_STOP_BYTES for s in stops):
-        raise InvalidArgument(f"each stop string must be 1..{MAX_STOP_BYTES} bytes")
-    messages = conversation(req)
-    parent = parse_key(req.parent_key, "parent key") if req.parent_key else None
-    return CompletionParams(
+def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
+    return completion_params(
+        n_ctx=n_ctx,
         prompt=req.prompt,
         chat=req.chat,
-        messages=messages,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
+        messages=messages_from({"role": m.role, "content": m.content} for m in req.messages) if req.messages else (),
         chat_template=req.chat_template or None,
-        max_tokens=max_tokens,
         temperature=req.temperature,
         seed=req.seed if req.HasField("seed") else None,
-        stop=stops,
-        parent_key=parent,
+        stop=req.stop,
+        parent_key=req.parent_key,
     )
-
-
-def conversation(req: pb.CompleteRequest) -> tuple[Message, ...]:
-    """The request's messages, checked by the rules every front end shares; () for a plain prompt.
-
-    A template is refused where nothing would be rendered with it, so a client never believes it applied."""
-    if req.messages and req.prompt:
-        raise InvalidArgument("send either a prompt or messages, not both")
-    if not req.messages and not req.prompt:
-        raise InvalidArgument("the prompt is empty; pass some text")
-    if req.chat_template and not (req.messages or req.chat):
-        raise InvalidArgument("a chat template applies only to messages or a chat prompt; send one of those")
-    if len(req.chat_template) > MAX_TEMPLATE:
-        raise InvalidArgument(f"the chat template is {len(req.chat_template)} characters; at most {MAX_TEMPLATE}")
-    if not req.messages:
-        return ()
-    return messages_from({"role": m.role, "content": m.content} for m in req.messages)
 
 
 def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
@@ -164,6 +113,21 @@ def cache_info(c) -> pb.CacheInfo:
     )
 
 
+def done_message(ev: Done, model: str) -> pb.CompleteDone:
+    t = ev.timings
+    return pb.CompleteDone(
+        text=ev.text,
+        model=model,
+        finish_reason=ev.finish_reason,
+        key=ev.key.hex(),
+        prompt_key=ev.prompt_key.hex(),
+        cache=cache_info(ev.cache),
+        prompt_tokens=ev.prompt_tokens,
+        completion_tokens=ev.completion_tokens,
+        timings_ms=pb.Timings(lookup=t.lookup, restore=t.restore, prefill=t.prefill, ttft=t.ttft, total=t.total),
+    )
+
+
 class Servicer(pb_grpc.BarrelServicer):
     def __init__(
         self,
@@ -176,6 +140,8 @@ class Servicer(pb_grpc.BarrelServicer):
         load_defaults: Callable[[], LoadOptions],
         scheduler_status: Callable[[], dict],
         request_shutdown: Callable[[], None],
+        metrics: Metrics | None = None,
+        http_address: str = "",
     ) -> None:
         self.registry = registry
         self.store = store
@@ -185,6 +151,8 @@ class Servicer(pb_grpc.BarrelServicer):
         self.load_defaults = load_defaults
         self.scheduler_status = scheduler_status
         self.request_shutdown = request_shutdown
+        self.metrics = metrics
+        self.http_address = http_address
         self.started = time.time()
         self.stopping = False
 
@@ -195,19 +163,11 @@ class Servicer(pb_grpc.BarrelServicer):
     @rpc
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[pb.CompleteEvent]:
         self._check_open()
-        check_model_name(request.model)
-        model = self.registry.get(request.model)
-        params = completion_params(request, model.options.n_ctx)
-        worker = model.worker
-        req = worker.submit(params)
-
-        def on_done() -> None:
-            req.cancel()
-            worker.wake()
-
-        context.add_callback(on_done)
-        while True:
-            ev = req.events.get()
+        call = start_call(
+            self.registry, request.model, lambda n_ctx: grpc_params(request, n_ctx), self.metrics, "grpc"
+        )
+        context.add_callback(call.cancel)
+        for ev in call:
             if isinstance(ev, Started):
                 yield pb.CompleteEvent(
                     started=pb.CompleteStarted(
@@ -216,26 +176,8 @@ class Servicer(pb_grpc.BarrelServicer):
                 )
             elif isinstance(ev, Token):
                 yield pb.CompleteEvent(token=pb.CompleteToken(text=ev.text))
-            elif isinstance(ev, Done):
-                t = ev.timings
-                yield pb.CompleteEvent(
-                    done=pb.CompleteDone(
-                        text=ev.text,
-                        model=model.name,
-                        finish_reason=ev.finish_reason,
-                        key=ev.key.hex(),
-                        prompt_key=ev.prompt_key.hex(),
-                        cache=cache_info(ev.cache),
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        timings_ms=pb.Timings(
-                            lookup=t.lookup, restore=t.restore, prefill=t.prefill, ttft=t.ttft, total=t.total
-                        ),
-                    )
-                )
-                return
-            elif isinstance(ev, Failed):
-                raise ev.error
+            else:
+                yield pb.CompleteEvent(done=done_message(ev, call.model.name))
 
     @rpc
     def LoadModel(self, request: pb.LoadModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
@@ -348,6 +290,7 @@ class Servicer(pb_grpc.BarrelServicer):
             version=barreld.__version__,
             models=len(self.registry.models()),
             config=str(self.config or ""),
+            http=self.http_address,
         )
 
     @rpc

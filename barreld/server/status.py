@@ -1,4 +1,4 @@
-"""The one place where domain errors become gRPC status codes."""
+"""The one place where domain errors become gRPC status codes (`client_error` decides what a client is told)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import grpc
 
-from barreld.cache.errors import IndexWriteError
-from barreld.errors import BarrelError, FailedPrecondition
+from barreld.errors import BarrelError
+from barreld.server.frontend import client_error
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,9 @@ def rpc(method: Callable) -> Callable:
     is logged with its traceback and answered INTERNAL, and never takes the daemon down."""
 
     def fail(context: grpc.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, IndexWriteError):
-            exc = FailedPrecondition(f"{exc}; free space where the data dir lives, then retry")
-        if isinstance(exc, BarrelError):
-            context.abort(grpc_code(exc), str(exc))
+        known = client_error(exc)
+        if known is not None:
+            context.abort(grpc_code(known), str(known))
         log.exception("%s failed", method.__name__)
         context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {exc}; see the daemon log")
 

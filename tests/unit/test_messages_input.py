@@ -14,7 +14,8 @@ from barrelctl.sandbox import Sandbox
 from barreld.engine.chat import Message
 from barreld.errors import InvalidArgument
 from barreld.rpc import barrel_pb2 as pb
-from barreld.server.servicer import MAX_TEMPLATE, completion_params
+from barreld.server.frontend import MAX_TEMPLATE
+from barreld.server.servicer import grpc_params
 
 BAD_FILES = [
     (b"[{'role': 'user'}]", "not JSON (Expecting property name enclosed in double quotes: line 1 column 3"),
@@ -120,13 +121,13 @@ USER = [pb.Message(role="user", content="hi")]
 ])
 def test_the_daemon_checks_a_requests_messages(fields: dict, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        completion_params(_request(**fields), 4096)
+        grpc_params(_request(**fields), 4096)
     assert says in str(caught.value)
 
 
 def test_messages_reach_the_engine_with_their_template() -> None:
-    params = completion_params(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), 4096)
+    params = grpc_params(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), 4096)
     assert params.messages == (Message("user", "hi"),)
     assert params.chat_template == "{{ 1 }}"
-    assert completion_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096).chat_template == "t"
-    assert completion_params(_request(prompt=b"x"), 4096).chat_template is None
+    assert grpc_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096).chat_template == "t"
+    assert grpc_params(_request(prompt=b"x"), 4096).chat_template is None

@@ -1,0 +1,343 @@
+"""The Starlette app: OpenAI routes under /v1, /health and /metrics, over the same registry, workers and
+error rules as the gRPC servicer (barreld.server.frontend).
+
+A completion waits for the worker's first event before it answers, so a request refused at start (prompt
+longer than the context, unknown model, full queue) gets its own status instead of a 200 with an error in
+the stream. A client that hangs up, streaming or not, cancels its request: the worker stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from barreld.engine.registry import LoadedModel, ModelRegistry
+from barreld.engine.request import Done, Started, Token
+from barreld.errors import InvalidArgument, Unavailable
+from barreld.http.openai import DONE_LINE, Reply, parse_request
+from barreld.server.frontend import Call, client_error, start_call
+from barreld.server.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 16 << 20
+RETRY_AFTER = {"Retry-After": "1"}
+CLIENT_GONE = 499  # logged only: nobody is left to read it
+# A domain error's category -> HTTP status, OpenAI error type and code.
+STATUS: dict[str, tuple[int, str, str | None]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error", None),
+    "FAILED_PRECONDITION": (400, "invalid_request_error", None),
+    "NOT_FOUND": (404, "invalid_request_error", "model_not_found"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "queue_full"),
+    "UNAVAILABLE": (503, "server_error", "unavailable"),
+}
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+    def doc(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = RETRY_AFTER if self.status in (429, 503) else None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return JSONResponse(self.doc(), self.status, headers=headers)
+
+
+def api_error(exc: Exception, where: str) -> ApiError:
+    """The answer to an exception raised while serving `where`; a bug is logged and answered 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    known = client_error(exc)
+    if known is not None and known.code in STATUS:
+        status, kind, code = STATUS[known.code]
+        return ApiError(status, str(known), kind, code)
+    if known is None:
+        log.error("%s failed", where, exc_info=exc)
+    return ApiError(500, f"internal error in {where}: {exc}; see the daemon log", "server_error", "internal_error")
+
+
+@dataclass
+class DaemonState:
+    """What the app asks of the daemon around it."""
+
+    ready: Callable[[], bool]  # the configured models are loaded
+    stopping: Callable[[], bool]
+
+
+class HttpApi:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        metrics: Metrics,
+        state: DaemonState,
+        api_keys: tuple[bytes, ...] = (),
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.state = state
+        self.api_keys = api_keys
+        routes = [
+            Route("/health", self._guard(self.health, auth=False), methods=["GET"]),
+            Route("/metrics", self._guard(self.metrics_text), methods=["GET"]),
+            Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/models/{name}", self._guard(self.model), methods=["GET"]),
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+
+    def _guard(
+        self, handler: Callable[[Request], Awaitable[Response]], auth: bool = True
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Checks the bearer key, then runs the handler; whatever it raises is answered in OpenAI's shape."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if auth:
+                    self._authorize(request)
+                return await handler(request)
+            except ClientGone:
+                return Response(status_code=CLIENT_GONE)
+            except Exception as exc:  # noqa: BLE001 - every error is answered, none takes the daemon down
+                return api_error(exc, request.url.path).response()
+
+        return endpoint
+
+    def _authorize(self, request: Request) -> None:
+        """Every key is compared, in constant time each, so the answer's timing tells nothing of the keys."""
+        if not self.api_keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise ApiError(401, "missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
+        offered = given.strip().encode()
+        matched = False
+        for key in self.api_keys:
+            matched |= hmac.compare_digest(offered, key)
+        if not matched:
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Unknown paths and wrong methods, in the same error shape as everything else."""
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    def _check_open(self) -> None:
+        if self.state.stopping():
+            raise Unavailable("barreld is shutting down; retry in a moment")
+        if not self.state.ready():
+            raise ApiError(503, "barreld is loading its models; retry in a moment", "server_error", "loading")
+
+    # ---- routes -----------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.state.stopping():
+            return JSONResponse({"status": "stopping"}, 503, headers=RETRY_AFTER)
+        if not self.state.ready():
+            return JSONResponse({"status": "loading"}, 503, headers=RETRY_AFTER)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        body = await anyio.to_thread.run_sync(self.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_doc(m) for m in self.registry.models()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        for m in self.registry.models():
+            if m.name == name:
+                return JSONResponse(model_doc(m))
+        raise ApiError(404, f"model {name[:80]!r} is not loaded", code="model_not_found")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        self._check_open()
+        req = parse_request(await read_json(request), chat)
+        events = Events(lambda: start_call(self.registry, req.model, req.params, self.metrics, "http"))
+        try:
+            first = await until_disconnected(request, events.cancel, events.next())
+            reply = Reply(req, events.model)
+            if req.stream:
+                return StreamingResponse(self._sse(events, reply, first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            done = first if isinstance(first, Done) else await until_disconnected(request, events.cancel,
+                                                                                  events.done())
+            return JSONResponse(reply.document(done))
+        except BaseException:
+            events.cancel()
+            raise
+
+    async def _sse(self, events: Events, reply: Reply, ev: Started | Token | Done) -> AsyncIterator[bytes]:
+        """The stream of chunks; a failure after the first event ends it with an error chunk (the status
+        line is sent by then), as OpenAI's streams do."""
+        try:
+            while True:
+                for chunk in reply.chunks(ev):
+                    yield sse_line(chunk)
+                if isinstance(ev, Done):
+                    break
+                ev = await events.next()
+            yield DONE_LINE
+        except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
+            yield sse_line(api_error(exc, "stream").doc())
+        finally:
+            events.cancel()
+
+
+class Events:
+    """One call, started and read to the end on a thread of its own, its events handed to the event loop.
+
+    The thread submits the request itself (finding the model may wait for a load) and so saves the event
+    loop a round trip to another thread before the first token. Reading to the end even after the client
+    has gone lets the call count itself (a cancelled request's tokens too); the event loop never blocks,
+    nor leaves a waiting thread behind when a wait is cancelled.
+    """
+
+    def __init__(self, start: Callable[[], Call]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Started | Token | Done | Exception] = asyncio.Queue()
+        self._call: Call | None = None
+        self._cancelled = False
+        threading.Thread(target=self._pump, args=(start,), name="http-call", daemon=True).start()
+
+    @property
+    def model(self) -> str:
+        """The model's name, known once the first event has arrived."""
+        assert self._call is not None
+        return self._call.model.name
+
+    def cancel(self) -> None:
+        """The client is gone: stop the call, now or as soon as it has started."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    def _pump(self, start: Callable[[], Call]) -> None:
+        try:
+            self._call = start()
+        except Exception as exc:  # noqa: BLE001 - raised again on the event loop
+            self._hand(exc)
+            return
+        if self._cancelled:
+            self._call.cancel()
+        while True:
+            try:
+                item: Started | Token | Done | Exception = self._call.next_event()
+            except Exception as exc:  # noqa: BLE001 - raised again on the event loop
+                item = exc
+            if not self._hand(item) or isinstance(item, Done | Exception):
+                return
+
+    def _hand(self, item: Started | Token | Done | Exception) -> bool:
+        """Queues `item` for the event loop; False once the loop has closed (barreld is stopping)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+    async def next(self) -> Started | Token | Done:
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def done(self) -> Done:
+        while not isinstance(ev := await self.next(), Done):
+            pass
+        return ev
+
+
+def model_doc(m: LoadedModel) -> dict[str, Any]:
+    try:
+        created = int(m.path.stat().st_mtime)
+    except OSError:
+        created = 0
+    return {"id": m.name, "object": "model", "created": created, "owned_by": "barrel"}
+
+
+def sse_line(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object: 415 unless it says it is JSON, 413 past MAX_BODY (read no further), 400
+    when it does not parse or is not an object."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, got {ctype[:60] or 'none'!r}",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(413, f"request body over {MAX_BODY} bytes", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes", code="request_too_large")
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"the body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument(f"the body must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+async def until_disconnected(request: Request, cancel: Callable[[], None], wait: Awaitable[Any]) -> Any:
+    """Awaits `wait` while listening for the client hanging up; if it does, `cancel()` is called and
+    ClientGone raised (nobody is left to answer). What `wait` raises is raised as it is."""
+    outcome: list[Any] = []
+
+    async def listen(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel()
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listen, tg.cancel_scope)
+        try:
+            outcome.append(await wait)
+        except Exception as exc:  # noqa: BLE001 - raised again outside the task group, as it was
+            outcome.append(exc)
+        tg.cancel_scope.cancel()
+    if not outcome:
+        raise ClientGone
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+class ClientGone(Exception):
+    """The client hung up before the answer was ready."""

@@ -1,0 +1,158 @@
+"""What every front end (gRPC, HTTP) shares: the bounds on a completion's parameters, the model lookup, the
+walk over the worker's events, and what a client is told of an error, so both refuse, count and cancel alike.
+
+No gRPC or HTTP import here: each front end turns these values and errors into its own wire format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from barreld.cache.errors import IndexWriteError
+from barreld.engine.chat import Message
+from barreld.engine.registry import LoadedModel, ModelRegistry
+from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Failed, Started, Token
+from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
+from barreld.names import MODEL_NAME_MAX
+
+if TYPE_CHECKING:
+    from barreld.server.metrics import Metrics
+
+MAX_STOPS = 16
+MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
+MAX_STOP_BYTES = 256
+MAX_TEMPERATURE = 100
+MAX_SEED = (1 << 64) - 1
+SHOWN = 80
+
+
+def client_error(exc: Exception) -> BarrelError | None:
+    """What a client is told about `exc`: a domain error as it is, a failed index write as the operator's
+    problem to fix; None for a bug (answered as an internal error, and logged)."""
+    if isinstance(exc, IndexWriteError):
+        return FailedPrecondition(f"{exc}; free space where the data dir lives, then retry")
+    return exc if isinstance(exc, BarrelError) else None
+
+
+def show(text: str) -> str:
+    """A client's string as quoted in an error, cut short: a status message travels in gRPC metadata, which
+    peers refuse beyond 16 KiB (the client would see RESOURCE_EXHAUSTED instead of our answer)."""
+    return repr(text) if len(text) <= SHOWN else repr(text[:SHOWN]) + f"... ({len(text)} characters)"
+
+
+def check_model_name(name: str) -> None:
+    if len(name) > MODEL_NAME_MAX:
+        raise InvalidArgument(f"bad model name {show(name)}: longer than {MODEL_NAME_MAX} characters")
+
+
+def parse_key(text: str, what: str) -> bytes:
+    if len(text) != 64:
+        raise InvalidArgument(f"bad {what} {show(text)}: expected 64 hex digits")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise InvalidArgument(f"bad {what} {show(text)}: expected 64 hex digits") from None
+
+
+def completion_params(
+    *,
+    n_ctx: int,
+    prompt: bytes = b"",
+    messages: tuple[Message, ...] = (),
+    chat: bool = False,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    parent_key: str = "",
+    chat_template: str | None = None,
+) -> CompletionParams:
+    """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one."""
+    check_conversation(prompt, messages, chat, chat_template)
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= n_ctx:
+        raise InvalidArgument(f"bad max_tokens {max_tokens}: expected 1..{n_ctx} (the model's n_ctx)")
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(f"bad temperature {temperature}: expected a number from 0 to {MAX_TEMPERATURE}")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise InvalidArgument(f"bad seed {seed}: expected a whole number from 0 to 2**64 - 1")
+    if len(stop) > MAX_STOPS:
+        raise InvalidArgument(f"too many stop strings ({len(stop)}); at most {MAX_STOPS}")
+    stops = tuple(s.encode() for s in stop)
+    if any(not s or len(s) > MAX_STOP_BYTES for s in stops):
+        raise InvalidArgument(f"each stop string must be 1..{MAX_STOP_BYTES} bytes")
+    return CompletionParams(
+        prompt=prompt,
+        chat=chat,
+        messages=messages,
+        chat_template=chat_template,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=stops,
+        parent_key=parse_key(parent_key, "parent key") if parent_key else None,
+    )
+
+
+def check_conversation(prompt: bytes, messages: tuple[Message, ...], chat: bool, template: str | None) -> None:
+    """A prompt or messages, not both; a template only where something is rendered with it, so a client
+    never believes it applied."""
+    if messages and prompt:
+        raise InvalidArgument("send either a prompt or messages, not both")
+    if not messages and not prompt:
+        raise InvalidArgument("the prompt is empty; pass some text")
+    if template and not (messages or chat):
+        raise InvalidArgument("a chat template applies only to messages or a chat prompt; send one of those")
+    if template and len(template) > MAX_TEMPLATE:
+        raise InvalidArgument(f"the chat template is {len(template)} characters; at most {MAX_TEMPLATE}")
+
+
+class Call:
+    """One completion in flight. Iterating yields its Started and Token events and ends with Done; a
+    failure raises the worker's error. `cancel()` (the client went away) makes the worker stop generating
+    and finish the request, so a thread blocked on the next event is released too."""
+
+    def __init__(self, model: LoadedModel, params: CompletionParams, metrics: Metrics | None, api: str) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.api = api
+        self.request = model.worker.submit(params)
+        self.done: Done | None = None
+
+    def next_event(self) -> Started | Token | Done:
+        """Blocks until the worker's next event; counts the request once it has ended."""
+        ev = self.request.events.get()
+        if isinstance(ev, Failed):
+            if self.metrics is not None:
+                self.metrics.failed(self.api, self.model.name)
+            raise ev.error
+        if isinstance(ev, Done):
+            self.done = ev
+            if self.metrics is not None:
+                self.metrics.finished(self.api, self.model.name, ev)
+        return ev
+
+    def __iter__(self) -> Iterator[Started | Token | Done]:
+        while self.done is None:
+            yield self.next_event()
+
+    def cancel(self) -> None:
+        if self.done is None:
+            self.request.cancel()
+            self.model.worker.wake()
+
+
+def start_call(
+    registry: ModelRegistry,
+    model_name: str,
+    make_params: Callable[[int], CompletionParams],
+    metrics: Metrics | None,
+    api: str,
+) -> Call:
+    """Finds the model (an empty name: the default, loaded if needed), builds the parameters against its
+    n_ctx and submits them; a full queue raises ResourceExhausted here, before any event."""
+    check_model_name(model_name)
+    model = registry.get(model_name)
+    return Call(model, make_params(model.options.n_ctx), metrics, api)

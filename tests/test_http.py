@@ -1,0 +1,195 @@
+"""The HTTP API with the real model through a real barreld: the real `openai` SDK (sync and async, streamed
+and not), the real `llm` CLI, raw SSE, errors and hang-ups. A warm daemon saves and restores; a cold one
+never saves, so its replies come from a cold prefill; replies are compared at temperature 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from barrelctl.sandbox import Sandbox
+from tests.test_cache_paths import NO_SAVES, POLICY, doc
+
+pytestmark = pytest.mark.model
+
+MODEL = '\n[[models]]\nname = "smollm2"\n'
+TRIM = 16  # POLICY's boundary_trim_tokens
+
+
+class Daemon:
+    """A sandboxed barreld serving HTTP on a free loopback port."""
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box = box
+        box.start_daemon("--http", "127.0.0.1:0")
+        self.port = int(box.ctl("--json", "daemon", "status").json()["http"].rpartition(":")[2])
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def sdk(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0)
+
+    def request(self, method: str, path: str, raw: bytes | None = None) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        conn.request(method, path, body=raw, headers={"Content-Type": "application/json"} if raw else {})
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+        return resp.status, json.loads(body) if resp.getheader("content-type") == "application/json" else body
+
+    def metric(self, series: str) -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        values = [float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(series + " ")]
+        return values[0] if values else 0.0
+
+    def running(self) -> int:
+        with self.box.client() as c:
+            return c.models()[0].running
+
+
+@pytest.fixture(scope="module")
+def warm() -> Iterator[Daemon]:
+    with Sandbox.new(POLICY + MODEL, label="http-warm") as box:
+        yield Daemon(box)
+
+
+@pytest.fixture(scope="module")
+def cold() -> Iterator[Daemon]:
+    with Sandbox.new(NO_SAVES + MODEL, label="http-cold") as box:
+        yield Daemon(box)
+
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. Notes: " + doc(5, 250)}
+
+
+def test_a_second_turn_restores_the_first_and_replies_as_a_cold_prefill_does(warm: Daemon, cold: Daemon) -> None:
+    client = warm.sdk()
+    turn1 = [SYSTEM, {"role": "user", "content": "What is the first word of the notes?"}]
+    r1 = client.chat.completions.create(model="smollm2", messages=turn1, max_tokens=12, temperature=0)
+    assert r1.usage.prompt_tokens > 200 and r1.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And the second word?"}]
+    r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=12, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens - TRIM, (cached, r1.usage.prompt_tokens)
+    barrel = r2.model_extra["barrel"]
+    assert barrel["cache"]["restored_tokens"] == cached and barrel["cache"]["path"] != "miss"
+    assert barrel["cache"]["prefilled_tokens"] == r2.usage.prompt_tokens - cached
+    reference = cold.sdk().chat.completions.create(model="smollm2", messages=turn2, max_tokens=12, temperature=0)
+    assert reference.usage.prompt_tokens_details.cached_tokens == 0
+    assert r2.choices[0].message.content == reference.choices[0].message.content
+    assert r2.model_extra["barrel"]["prompt_key"] == reference.model_extra["barrel"]["prompt_key"]
+
+
+def test_the_async_sdk_streams_what_it_gets_whole(warm: Daemon) -> None:
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+    async def both() -> tuple:
+        client = openai.AsyncOpenAI(base_url=f"{warm.base}/v1", api_key="unused", max_retries=0)
+        whole = await client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16,
+                                                     temperature=0)
+        chunks = [c async for c in await client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True})]
+        await client.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(both())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0   # the same prompt again: warm
+
+
+def sse(resp: http.client.HTTPResponse) -> Iterator[bytes]:
+    while line := resp.readline():
+        if line.startswith(b"data: "):
+            yield line[len(b"data: "):].strip()
+
+
+def test_sse_chunks_arrive_while_tokens_are_generated_and_end_with_done(warm: Daemon) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", warm.port, timeout=120)
+    body = {"model": "smollm2", "prompt": "The history of the river town began", "max_tokens": 48,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = sse(resp)
+    first = json.loads(next(events))
+    assert first["choices"][0]["text"] and first["choices"][0]["finish_reason"] is None
+    assert warm.running() == 1   # the first chunk is here; the last token is not made yet
+    rest = list(events)
+    conn.close()
+    assert rest[-1] == b"[DONE]"
+    usage_chunk, finish = json.loads(rest[-2]), json.loads(rest[-3])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 48
+    assert usage_chunk["barrel"]["cache"]["path"] in ("miss", "exact", "live", "resume", "longest_prefix")
+
+
+def test_llm_cli_prints_a_completion_and_a_repeated_long_prompt_is_an_exact_hit(warm: Daemon, tmp_path: Path) -> None:
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: barrel\n  model_name: smollm2\n  api_base: {warm.base}/v1\n")
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}
+
+    def llm(prompt: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "llm", "prompt", "-m", "barrel", "--no-log", "-o", "max_tokens",
+                            "8", "-o", "temperature", "0", prompt], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    long_prompt = "Summarise these notes: " + doc(11, 130)
+    first = llm(long_prompt)
+    assert first.strip()
+    other = [{"role": "user", "content": "Something else: " + doc(12, 130)}]
+    warm.sdk().chat.completions.create(model="smollm2", messages=other, max_tokens=2)  # takes the one sequence
+    exact = warm.metric('barrel_cache_hits_total{route="exact"}')
+    restored = warm.metric('barrel_restored_tokens_total{model="smollm2"}')
+    assert llm(long_prompt) == first
+    assert warm.metric('barrel_cache_hits_total{route="exact"}') == exact + 1
+    assert warm.metric('barrel_restored_tokens_total{model="smollm2"}') - restored > 128
+
+
+def test_errors_are_answered_and_the_daemon_serves_on(warm: Daemon) -> None:
+    too_long = json.dumps({"model": "smollm2", "prompt": "river " * 5000, "max_tokens": 4}).encode()
+    status, doc_ = warm.request("POST", "/v1/completions", too_long)
+    assert status == 400 and "context holds 4096" in doc_["error"]["message"]
+    status, doc_ = warm.request("POST", "/v1/completions", b'{"model": "gpt-9", "prompt": "x"}')
+    assert status == 404 and doc_["error"]["code"] == "model_not_found"
+    status, doc_ = warm.request("POST", "/v1/chat/completions", b'{"model": "smollm2", "messages": [')
+    assert status == 400 and "not valid JSON" in doc_["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        warm.sdk().completions.create(model="smollm2", prompt="hi", n=2)
+    reply = warm.sdk().completions.create(model="smollm2", prompt="Hello", max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4 and reply.choices[0].text
+
+
+def test_a_client_that_hangs_up_stops_its_generation(warm: Daemon) -> None:
+    generated = warm.metric('barrel_generated_tokens_total{model="smollm2"}')
+    conn = http.client.HTTPConnection("127.0.0.1", warm.port, timeout=120)
+    body = {"model": "smollm2", "prompt": "A very long story:", "max_tokens": 2000, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    next(sse(resp))
+    conn.close()
+    deadline = time.monotonic() + 30
+    while warm.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warm.running() == 0
+    assert "cancelled by its client" in warm.box.log_text()
+    assert warm.metric('barrel_generated_tokens_total{model="smollm2"}') - generated < 2000
