@@ -52,7 +52,7 @@ log = logging.getLogger("barreld.cache")
 
 INDEX_FORMAT = 2
 DEFAULT_MAP_SIZE = 1 << 30
-EVICT_BATCH = 256
+EVICT_BATCH = 64
 """Rows removed per transaction by an eviction or gc: each transaction stays a few milliseconds long."""
 _GROW_AT = 0.75  # of the map in use: the next write doubles it first
 
@@ -287,6 +287,7 @@ class Batch:
         self.txn = txn
         self.removed: list[Row] = []
         self.doomed: list[bytes] = []
+        self.durable = False  # made durable before `write` returns
         self.deltas: dict[str, list[int]] = {}
         self.folded: dict[bytes, tuple[int, int]] = {}
         self.cleared: list[bytes] = []
@@ -352,8 +353,8 @@ class Batch:
 class Index:
     """Rows, LRU order and aliases in LMDB; reservations, eviction and (in memory) refcounts and touches.
 
-    `forget(row)` runs as a removal commits (the tier stops counting the row's bytes); `delete(row)` runs
-    after the write lock is released and removes the bytes.
+    `forget(row)` runs as a removal commits (the tier stops counting the row's bytes); `delete(rows)` runs
+    after the write lock is released, removes their bytes durably and returns the keys it could.
     """
 
     def __init__(
@@ -362,12 +363,14 @@ class Index:
         quotas: dict[str, int],
         *,
         forget: Callable[[Row], None],
-        delete: Callable[[Row], None],
+        delete: Callable[[list[Row]], set[bytes]],
         map_size: int = DEFAULT_MAP_SIZE,
     ) -> None:
         path = Path(path)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), max_dbs=8, map_size=map_size, mode=0o600)
+        # metasync off: a commit fsyncs its data pages under the write lock, and `_sync` makes the commits
+        # that must last (a publish, a removal before its files go) durable after the lock is released.
+        self._env = lmdb.open(str(path), max_dbs=8, map_size=map_size, mode=0o600, metasync=False)
         self._env.reader_check()
         self._meta = self._env.open_db(b"meta")
         self._rows = self._env.open_db(b"rows")
@@ -392,9 +395,9 @@ class Index:
         self._upgrade()
 
     def close(self) -> None:
-        """Fold pending LRU touches into the rows and close LMDB."""
-        with self.write():
-            pass
+        """Fold pending LRU touches into the rows, make them durable and close LMDB."""
+        with self.write() as b:
+            b.durable = True
         self._env.close()
 
     def now_ns(self) -> int:
@@ -535,7 +538,16 @@ class Index:
                     raise IndexWriteError(f"the index could not commit: {e}") from e
                 raise
             self._committed(batch)
+        if batch.durable or batch.removed:  # a removal must last before its payloads are deleted
+            self._sync()
         self._delete_payloads(batch.removed)
+
+    def _sync(self) -> None:
+        """Make every commit so far durable; outside the write lock, so writers do not wait on it."""
+        try:
+            self._env.sync(True)
+        except lmdb.Error as e:  # the commit stands in this process; only a system crash could undo it
+            log.warning("syncing the cache index failed: %s", e)
 
     def _begin(self, batch: Batch) -> None:
         """Start-of-write housekeeping: drop the gone marks of finished deletions, fold pending touches."""
@@ -570,21 +582,20 @@ class Index:
                 self._deleting[row.key] = self._deleting.get(row.key, 0) + 1
 
     def _delete_payloads(self, rows: list[Row]) -> None:
-        """Delete removed rows' payloads, outside the write lock; a failure leaves the gone mark for the
-        next open to finish."""
-        for row in rows:
-            done = False
-            try:
-                self._delete(row)
-                done = True
-            except Exception:
-                log.exception("deleting the payload of %s failed; the next open deletes it", row.key.hex())
+        """Delete removed rows' payloads, outside the write lock. The gone marks of those deleted go with
+        the next write; a failure leaves its mark for the next open to finish."""
+        if not rows:
+            return
+        done: set[bytes] = set()
+        try:
+            done = self._delete(rows)
+        finally:
             with self._mem_lock:
-                left = self._deleting.pop(row.key) - 1
-                if left:
-                    self._deleting[row.key] = left
-                if done:
-                    self._cleared.append(row.key)
+                for row in rows:
+                    left = self._deleting.pop(row.key) - 1
+                    if left:
+                        self._deleting[row.key] = left
+                self._cleared.extend(done)
                 self._deleted.notify_all()
 
     def settle(self, key: bytes) -> None:
@@ -688,6 +699,7 @@ class Index:
                 aliases=valid_aliases(key, row.tokens, aliases),
             )
             b.store(row, published)
+            b.durable = True  # acknowledged to the saver: it must survive a system crash
         return True
 
     def abandon(self, key: bytes, token: str) -> None:

@@ -126,7 +126,7 @@ class CacheStore:
                 tier.lock()
             quotas = {name: t.quota for name, t in self._tiers.items()}
             self._index = Index(
-                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payload
+                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payloads
             )
             self.last_reconcile = self._reconcile()
             log.info(
@@ -178,9 +178,24 @@ class CacheStore:
         if row.location is not None:
             self._tiers[row.tier].forget(row.location)
 
-    def _delete_payload(self, row: Row) -> None:
-        if row.location is not None:
-            self._tiers[row.tier].delete(row.location)
+    def _delete_payloads(self, rows: list[Row]) -> set[bytes]:
+        """Delete removed rows' payloads, then sync each file tier's directory once, so a deletion is
+        durable before the index forgets it was due; the keys deleted. Run outside the index's lock."""
+        done: dict[bytes, str] = {}
+        for row in rows:
+            try:
+                self._tiers[row.tier].delete(row.location or "")
+                done[row.key] = row.tier
+            except Exception:
+                log.exception("deleting the payload of %s failed; the next open deletes it", row.key.hex())
+        for tier in self._file_tiers():
+            if tier.name in done.values():
+                try:
+                    tier.sync()
+                except OSError as e:
+                    log.warning("syncing %s after deletions failed (the next open deletes them): %s", tier.root, e)
+                    done = {k: t for k, t in done.items() if t != tier.name}
+        return set(done)
 
     def _location_for(self, tier: Tier, key: bytes) -> str:
         return tier.location_for(key.hex()) if isinstance(tier, FileTier) else key.hex()

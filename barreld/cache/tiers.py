@@ -250,11 +250,11 @@ class FileTier(Tier):
         """Where a payload named `name` (its key hex) is published."""
         return f"{self._prefix}{name}.kvc"
 
-    def _check_location(self, location: str) -> Path:
-        path = Path(location)
-        if path.parent != self.root or not _PUBLISHED.match(path.name):
+    def _check_location(self, location: str) -> str:
+        head, name = os.path.split(location)
+        if os.path.join(head, "") != self._prefix or not _PUBLISHED.match(name):
             raise ValueError(f"tier {self.name}: {location} is not a location of this tier")
-        return path
+        return location
 
     def publish(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool]) -> str | None:
         """Crash-safe publish: temp file, fdatasync, confirm the claim, rename into place, fsync the dir.
@@ -322,13 +322,17 @@ class FileTier(Tier):
 
     def delete(self, location: str) -> None:
         """Unlink the file (the index has already committed its removal)."""
-        path = self._check_location(location)
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._check_location(location))
         self.forget(location)
+
+    def sync(self) -> None:
+        """Make the directory's changes durable (deletions: a published file is synced as it is renamed)."""
+        _fsync_dir(self.root)
 
     def size(self, location: str) -> int | None:
         try:
-            return self._check_location(location).stat().st_size
+            return os.stat(self._check_location(location)).st_size
         except (FileNotFoundError, ValueError):
             return None
 
