@@ -51,7 +51,8 @@ from .errors import IndexWriteError
 log = logging.getLogger("barreld.cache")
 
 INDEX_FORMAT = 2
-DEFAULT_MAP_SIZE = 1 << 30
+INITIAL_MAP_SIZE = 1 << 30
+"""The map a new index starts with; it doubles whenever it is three quarters used."""
 EVICT_BATCH = 64
 """Rows removed per transaction by an eviction or gc: each transaction stays a few milliseconds long."""
 _GROW_AT = 0.75  # of the map in use: the next write doubles it first
@@ -364,13 +365,12 @@ class Index:
         *,
         forget: Callable[[Row], None],
         delete: Callable[[list[Row]], set[bytes]],
-        map_size: int = DEFAULT_MAP_SIZE,
     ) -> None:
         path = Path(path)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         # metasync off: a commit fsyncs its data pages under the write lock, and `_sync` makes the commits
         # that must last (a publish, a removal before its files go) durable after the lock is released.
-        self._env = lmdb.open(str(path), max_dbs=8, map_size=map_size, mode=0o600, metasync=False)
+        self._env = lmdb.open(str(path), max_dbs=8, map_size=INITIAL_MAP_SIZE, mode=0o600, metasync=False)
         self._env.reader_check()
         self._meta = self._env.open_db(b"meta")
         self._rows = self._env.open_db(b"rows")
@@ -433,6 +433,7 @@ class Index:
                 "verified and adopted at open)",
                 what,
                 kept,
+                INDEX_FORMAT,
                 dropped,
             )
 
