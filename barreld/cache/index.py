@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import lmdb
 
@@ -120,36 +120,56 @@ class Row:
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> Row:
         """The row stored under `key`; RowFormatError for anything but a well-formed format 2 row."""
-        try:
-            version, status, size, tokens, text_bytes, hits, last_used, created, owner, n_str, n_alias = (
-                _ROW_HEAD.unpack_from(raw)
-            )
-            end = _ROW_HEAD.size + n_str
-            fields = raw[_ROW_HEAD.size : end].decode().split("\0")
-        except (struct.error, UnicodeDecodeError) as e:
-            raise RowFormatError(f"unreadable index row {bytes(key).hex()}: {e}") from None
-        if version != INDEX_FORMAT or status not in _STATUSES or len(fields) != 5:
-            raise RowFormatError(f"index row {bytes(key).hex()} is not a format {INDEX_FORMAT} row")
-        if len(raw) != end + n_alias * _ROW_ALIAS.size:
-            raise RowFormatError(f"index row {bytes(key).hex()} has a torn alias list")
-        model, tier, save_reason, location, token = fields
+        head, (model, tier, save_reason, location, token), end = _unpack(key, raw)
         return cls(
             key=bytes(key),
             model=model,
             tier=tier,
-            size=size,
-            tokens=tokens,
-            text_bytes=text_bytes,
+            size=head[2],
+            tokens=head[3],
+            text_bytes=head[4],
             save_reason=save_reason,
-            status=_STATUSES[status],
-            hits=hits,
-            last_used_ns=last_used,
-            created=created,
+            status=_STATUSES[head[1]],
+            hits=head[5],
+            last_used_ns=head[6],
+            created=head[7],
             location=location or None,
-            owner=owner,
+            owner=head[8],
             token=token,
             aliases=tuple(_ROW_ALIAS.iter_unpack(raw[end:])),
         )
+
+
+class RowHead(NamedTuple):
+    """What open needs of a row, decoded without the rest: 100,000 of them must take well under a second."""
+
+    key: bytes
+    tier: str
+    status: str
+    size: int
+    location: str | None
+    last_used_ns: int
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> RowHead:
+        head, (_, tier, _, location, _), _ = _unpack(key, raw)
+        return cls(bytes(key), tier, _STATUSES[head[1]], head[2], location or None, head[6])
+
+
+def _unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
+    """A format 2 row's `_ROW_HEAD` fields, its five strings and where its aliases start; RowFormatError
+    for anything else."""
+    try:
+        head = _ROW_HEAD.unpack_from(raw)
+        end = _ROW_HEAD.size + head[9]
+        fields = raw[_ROW_HEAD.size : end].decode().split("\0")
+    except (struct.error, UnicodeDecodeError) as e:
+        raise RowFormatError(f"unreadable index row {bytes(key).hex()}: {e}") from None
+    if head[0] != INDEX_FORMAT or head[1] not in _STATUSES or len(fields) != 5:
+        raise RowFormatError(f"index row {bytes(key).hex()} is not a format {INDEX_FORMAT} row")
+    if len(raw) != end + head[10] * _ROW_ALIAS.size:
+        raise RowFormatError(f"index row {bytes(key).hex()} has a torn alias list")
+    return head, fields, end
 
 
 def _decode_v1(key: bytes, raw: bytes) -> Row:
@@ -470,34 +490,41 @@ class Index:
             b.txn.put(b"tiers", _TIERS, db=self._meta)
         return kept, dropped
 
-    def survey(self, visit: Callable[[Row], None]) -> None:
-        """One pass over every row at open, each decoded once: per-tier totals are recounted, the LRU
-        clock restarts after the newest row, and `visit` sees each row (it must not write). Rows this
-        version cannot read are dropped, with one log line, and the lru and prefix entries rebuilt."""
+    def survey(self, keep: Callable[[RowHead], bool]) -> None:
+        """One pass over every row at open, each decoded once (its head only): per-tier totals are
+        recounted, the LRU clock restarts after the newest row, and the rows `keep` refuses are removed
+        afterwards (their payloads untouched). Rows this version cannot read are dropped, with one log
+        line, and the lru and prefix entries rebuilt without them."""
         used = dict.fromkeys(self.quotas, 0)
         count = dict.fromkeys(self.quotas, 0)
+        dropped: list[bytes] = []
         clock = bad = 0
         with self._reading() as txn:
             for key, raw in txn.cursor(db=self._rows):
                 try:
-                    row = Row.decode(key, raw)
+                    row = RowHead.decode(key, raw)
                 except RowFormatError:
                     bad += 1
                     continue
                 used[row.tier] = used.get(row.tier, 0) + row.size
                 count[row.tier] = count.get(row.tier, 0) + 1
                 clock = max(clock, row.last_used_ns)
-                visit(row)
+                if not keep(row):
+                    dropped.append(row.key)
         self._used, self._count = used, count
         with self._mem_lock:
             self._clock = max(self._clock, clock)
+        self._in_batches(dropped, self._drop)
         if bad:
-            kept, dropped = self._rewrite(_decode_any)
-            log.warning("the cache index held %d unreadable rows: %d dropped, %d kept", bad, dropped, kept)
+            kept, lost = self._rewrite(_decode_any)
+            log.warning("the cache index held %d unreadable rows: %d dropped, %d kept", bad, lost, kept)
 
-    def drop(self, rows: list[Row]) -> None:
-        """Remove rows (as `survey` read them) without touching their payloads, in short transactions."""
-        self._in_batches(rows, lambda b, row: b.remove(row, delete_bytes=False))
+    @staticmethod
+    def _drop(b: Batch, key: bytes) -> None:
+        """Remove a row found at open, leaving its payload to the adoption pass."""
+        row = b.get(key)
+        if row is not None:
+            b.remove(row, delete_bytes=False)
 
     def gone(self) -> list[tuple[bytes, str, str]]:
         """(key, tier, location) of removed rows whose payload deletion was never recorded as done."""

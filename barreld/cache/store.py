@@ -26,7 +26,7 @@ from barreld.names import TIER_NAMES
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Row, valid_aliases
+from .index import AVAILABLE, RESERVED, Hit, Index, Row, RowHead, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
 
@@ -211,9 +211,7 @@ class CacheStore:
         for tier in self._file_tiers():
             report.temps_removed += tier.cleanup_temps()
         kept: set[str] = set()
-        dropped: list[Row] = []
-        index.survey(lambda row: self._triage(row, stored, kept, dropped, report))
-        index.drop(dropped)
+        index.survey(lambda row: self._triage(row, stored, kept, report))
         self._delete_gone(stored, kept, report)
         for tier in self._file_tiers():
             orphans = stored[tier.name]
@@ -227,21 +225,19 @@ class CacheStore:
                 report.over_quota_removed += len(evicted)
         return report
 
-    def _triage(
-        self, row: Row, stored: dict[str, dict[str, int]], kept: set[str], dropped: list[Row], report: ReconcileReport
-    ) -> None:
-        """Keep a row found at open (its location goes into `kept`) or add it to `dropped`. A dropped row's
-        file, if one is there, is verified by the adoption pass, which counts it if bad."""
+    def _triage(self, row: RowHead, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport) -> bool:
+        """Whether to keep a row found at open (its location then goes into `kept`). The file of a row
+        dropped here, if one is there, is verified by the adoption pass, which counts it if bad."""
         tier = self._tiers.get(row.tier)
-        if tier is None or not tier.persistent:
+        if not isinstance(tier, FileTier):
             report.ram_rows_dropped += 1
         elif row.status == RESERVED:  # the writer is dead; a file it published before dying is adopted
             report.reservations_cleared += 1
         else:
             size = stored[tier.name].get(row.location) if row.location is not None else None
-            if row.location == self._location_for(tier, row.key) and size == row.size:
+            if size == row.size and row.location == tier.location_for(row.key.hex()):
                 kept.add(row.location)
-                return
+                return True
             log.warning(
                 "dropping cache row %s (%s): its file %s",
                 row.key.hex(),
@@ -251,7 +247,7 @@ class CacheStore:
             report.missing_dropped += 1
             if size is None:
                 self.counters.count("corrupt_files")
-        dropped.append(row)
+        return False
 
     def _delete_gone(self, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport) -> None:
         """Delete the files of rows removed before a crash cut their deletion short: gone, not orphans."""

@@ -57,17 +57,17 @@ def stores(shm_root: Path) -> Iterator[Stores]:
 
 
 class Decodes:
-    """Counts the index rows decoded while installed."""
+    """Counts the index rows decoded (whole, or their heads at open) while installed."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.n = 0
-        decode = Row.decode.__func__  # type: ignore[attr-defined]
+        unpack = index_mod._unpack
 
-        def counted(cls: type[Row], key: bytes, raw: bytes) -> Row:
+        def counted(key: bytes, raw: bytes) -> tuple:
             self.n += 1
-            return decode(cls, key, raw)
+            return unpack(key, raw)
 
-        monkeypatch.setattr(Row, "decode", classmethod(counted))
+        monkeypatch.setattr(index_mod, "_unpack", counted)
 
 
 def fill(store: CacheStore, n: int, tier: str = "disk", start: int = 0) -> None:
