@@ -315,18 +315,31 @@ def test_a_format_1_index_is_read_with_one_log_line(
     assert store.check() == []
 
 
-def test_an_unknown_index_format_is_dropped_and_its_files_adopted(
-    stores: Stores, shm_root: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    store = stores()
-    fill(store, 5)
+Tamper = Callable[[lmdb.Transaction, Index], None]
+
+
+def _tamper_and_reopen(
+    store: CacheStore, stores: Stores, caplog: pytest.LogCaptureFixture, tamper: Tamper
+) -> tuple[CacheStore, list[str]]:
+    """Change the index by hand, then reopen the store: the new store and the warnings it logged."""
     index = index_of(store)
     with index._env.begin(write=True) as txn:
-        txn.put(b"format", (99).to_bytes(4, "little"), db=index._meta)
+        tamper(txn, index)
     store.close()
     with caplog.at_level(logging.WARNING, logger="barreld.cache"):
         store = stores()
-    assert [r.getMessage() for r in caplog.records] == [
+    return store, [r.getMessage() for r in caplog.records]
+
+
+def test_an_unknown_index_format_is_dropped_and_its_files_adopted(
+    stores: Stores, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = stores()
+    fill(store, 5)
+    store, logged = _tamper_and_reopen(
+        store, stores, caplog, lambda txn, index: txn.put(b"format", (99).to_bytes(4, "little"), db=index._meta)
+    )
+    assert logged == [
         "the cache index is in format 99, which this version cannot read: 0 rows rewritten in format 2, 5 "
         "dropped (a file whose row is gone is verified and adopted at open)"
     ]
@@ -334,18 +347,15 @@ def test_an_unknown_index_format_is_dropped_and_its_files_adopted(
     assert keys(store) == {ckpt(i).key for i in range(5)} and store.check() == []
 
 
-def test_an_unreadable_row_is_dropped_never_misread(
-    stores: Stores, shm_root: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_an_unreadable_row_is_dropped_never_misread(stores: Stores, caplog: pytest.LogCaptureFixture) -> None:
     store = stores()
     fill(store, 4)
-    index = index_of(store)
-    with index._env.begin(write=True) as txn:
+
+    def new_row_format(txn: lmdb.Transaction, index: Index) -> None:  # a format this version never wrote
         raw = txn.get(ckpt(1).key, db=index._rows)
-        txn.put(ckpt(1).key, bytes([3]) + raw[1:], db=index._rows)  # a row format this version never wrote
-    store.close()
-    with caplog.at_level(logging.WARNING, logger="barreld.cache"):
-        store = stores()
-    assert [r.getMessage() for r in caplog.records] == ["the cache index held 1 unreadable rows: 1 dropped, 3 kept"]
+        txn.put(ckpt(1).key, bytes([3]) + raw[1:], db=index._rows)
+
+    store, logged = _tamper_and_reopen(store, stores, caplog, new_row_format)
+    assert logged == ["the cache index held 1 unreadable rows: 1 dropped, 3 kept"]
     assert store.last_reconcile is not None and store.last_reconcile.adopted == 1  # its file, verified
     assert keys(store) == {ckpt(i).key for i in range(4)} and store.check() == []
