@@ -1,10 +1,12 @@
 """CacheStore: what the engine calls to save, find and restore KV checkpoints.
 
 Publish protocol (one save): reserve the key and its bytes in the index (evicting that tier's least
-recently used unreferenced rows to fit) -> write a temp file in the tier's directory -> fdatasync ->
-confirm the reservation is still ours -> rename into place -> fsync the directory -> mark the row
-available. A crash anywhere leaves a state `open()` reconciles: a reserved row is cleared, a temp file
-removed, a complete published file without a row verified and adopted.
+recently used unreferenced rows to fit; their files are deleted once the index has let go of them) ->
+wait until no earlier file of this key is still being deleted -> write a temp file in the tier's
+directory -> fdatasync -> confirm the reservation is still ours -> rename into place -> fsync the
+directory -> mark the row available, durably. A crash anywhere leaves a state `open()` reconciles: a
+reserved row is cleared, a temp file removed, the file of a row removed before the crash deleted, a
+complete published file without a row verified and adopted.
 """
 
 from __future__ import annotations
