@@ -150,11 +150,6 @@ class RowHead(NamedTuple):
     location: str | None
     last_used_ns: int
 
-    @classmethod
-    def decode(cls, key: bytes, raw: bytes) -> RowHead:
-        head, (_, tier, _, location, _), _ = _unpack(key, raw)
-        return cls(bytes(key), tier, _STATUSES[head[1]], head[2], location or None, head[6])
-
 
 def _unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
     """A format 2 row's `_ROW_HEAD` fields, its five strings and where its aliases start; RowFormatError
@@ -500,17 +495,19 @@ class Index:
         dropped: list[bytes] = []
         clock = bad = 0
         with self._reading() as txn:
-            for key, raw in txn.cursor(db=self._rows):
+            for key, raw in txn.cursor(db=self._rows):  # the hot loop of open: kept lean
                 try:
-                    row = RowHead.decode(key, raw)
+                    head, fields, _ = _unpack(key, raw)
                 except RowFormatError:
                     bad += 1
                     continue
-                used[row.tier] = used.get(row.tier, 0) + row.size
-                count[row.tier] = count.get(row.tier, 0) + 1
-                clock = max(clock, row.last_used_ns)
-                if not keep(row):
-                    dropped.append(row.key)
+                tier, size, ns = fields[1], head[2], head[6]
+                used[tier] = used.get(tier, 0) + size
+                count[tier] = count.get(tier, 0) + 1
+                if ns > clock:
+                    clock = ns
+                if not keep(RowHead(key, tier, _STATUSES[head[1]], size, fields[3] or None, ns)):
+                    dropped.append(key)
         self._used, self._count = used, count
         with self._mem_lock:
             self._clock = max(self._clock, clock)

@@ -213,7 +213,7 @@ class CacheStore:
         for tier in self._file_tiers():
             report.temps_removed += tier.cleanup_temps()
         kept: set[str] = set()
-        index.survey(lambda row: self._triage(row, stored, kept, report))
+        index.survey(self._keeper(stored, kept, report))
         self._delete_gone(stored, kept, report)
         for tier in self._file_tiers():
             orphans = stored[tier.name]
@@ -227,19 +227,34 @@ class CacheStore:
                 report.over_quota_removed += len(evicted)
         return report
 
-    def _triage(self, row: RowHead, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport) -> bool:
-        """Whether to keep a row found at open (its location then goes into `kept`). The file of a row
-        dropped here, if one is there, is verified by the adoption pass, which counts it if bad."""
-        tier = self._tiers.get(row.tier)
-        if not isinstance(tier, FileTier):
+    def _keeper(
+        self, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport
+    ) -> Callable[[RowHead], bool]:
+        """Whether to keep a row found at open: an available row whose file is where its tier keeps it,
+        of the size the row says (its location then goes into `kept`). Every row passes through here, so
+        the common case is a few lookups."""
+        location_for = {tier.name: tier.location_for for tier in self._file_tiers()}
+
+        def keep(row: RowHead) -> bool:
+            files = stored.get(row.tier)
+            size = files.get(row.location) if files is not None else None
+            home = location_for.get(row.tier)
+            if row.status == AVAILABLE and size == row.size and home and row.location == home(row.key.hex()):
+                kept.add(row.location)
+                return True
+            self._dropped_at_open(row, size, report)
+            return False
+
+        return keep
+
+    def _dropped_at_open(self, row: RowHead, size: int | None, report: ReconcileReport) -> None:
+        """Count (and log) a row dropped at open. Its file, if one is there, is verified by the adoption
+        pass, which counts it if bad."""
+        if row.tier not in self._configs or not self._tiers[row.tier].persistent:
             report.ram_rows_dropped += 1
         elif row.status == RESERVED:  # the writer is dead; a file it published before dying is adopted
             report.reservations_cleared += 1
         else:
-            size = stored[tier.name].get(row.location) if row.location is not None else None
-            if size == row.size and row.location == tier.location_for(row.key.hex()):
-                kept.add(row.location)
-                return True
             log.warning(
                 "dropping cache row %s (%s): its file %s",
                 row.key.hex(),
@@ -249,7 +264,6 @@ class CacheStore:
             report.missing_dropped += 1
             if size is None:
                 self.counters.count("corrupt_files")
-        return False
 
     def _delete_gone(self, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport) -> None:
         """Delete the files of rows removed before a crash cut their deletion short: gone, not orphans."""
