@@ -275,6 +275,9 @@ class CacheStore:
                 self._tiers[tier_name].delete(location)
                 del files[location]
                 report.gone_deleted += 1
+        for tier in self._file_tiers():
+            if any(name == tier.name for _, name, _ in marks):
+                tier.sync()  # the deletions last before their marks go
         index.clear_gone([key for key, _, _ in marks])
 
     def _adopt(self, tier: FileTier, location: str, size: int, report: ReconcileReport) -> None:

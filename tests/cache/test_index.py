@@ -192,7 +192,7 @@ def _hold_deletes(store: CacheStore, monkeypatch: pytest.MonkeyPatch) -> tuple[t
 
 
 def test_deletions_run_outside_the_write_lock(stores: Stores, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = stores()
+    store = stores(disk=5 * SIZE)  # full: the saves below fit only if the tier stopped counting the gc's files
     fill(store, 5)
     waiting, go = _hold_deletes(store, monkeypatch)
     gc = threading.Thread(target=store.gc)
@@ -247,8 +247,25 @@ def test_the_map_grows_past_its_initial_size_without_a_failed_save(
     initial = 256 << 10
     monkeypatch.setattr(index_mod, "INITIAL_MAP_SIZE", initial)
     store = stores(disk=1 << 30)
-    fill(store, 1200)
-    assert store.counters["saves_failed"] == 0
+    fill(store, 10)
+    done, errors = threading.Event(), []
+
+    def reader() -> None:  # lookups go on while the map is replaced under them
+        while not done.is_set():
+            try:
+                assert store.lookup(SHARED) is not None and store.lookup(ckpt(3).key) is not None
+            except Exception as e:  # noqa: BLE001 - any failure of a reader is the finding
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        fill(store, 1190, start=10)
+    finally:
+        done.set()
+        thread.join(10)
+    assert errors == [] and store.counters["saves_failed"] == 0
     env = index_of(store)._env
     in_use = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     assert in_use > 2 * initial and env.info()["map_size"] > in_use
