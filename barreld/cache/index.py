@@ -743,23 +743,22 @@ class Index:
             b.remove(row)
         return row
 
-    def evict(self, tiers: Iterable[str], need: float) -> list[Row]:
+    def evict(self, tiers: Iterable[str], need: float) -> tuple[int, int]:
         """Evict unreferenced rows, least recently used first, until `need` bytes are freed or none used
-        before the call remain: in transactions of EVICT_BATCH rows, each deleting its payloads after
-        releasing the lock, so saves and lookups go on between them however long a gc is."""
+        before the call remain; (rows, bytes) evicted. In transactions of EVICT_BATCH rows, each deleting
+        its payloads after releasing the lock, so saves and lookups go on between them however long a gc."""
         walk = _Walk(tuple(tiers), until=self.now_ns())
-        evicted: list[Row] = []
-        freed = 0
+        evicted = freed = 0
         while freed < need:
             with self.write() as b:
                 victims = self._victims(b, walk, need - freed, partial=True, limit=EVICT_BATCH) or []
                 for row in victims:
                     b.remove(row)
-            evicted += victims
+            evicted += len(victims)
             freed += sum(r.size for r in victims)
             if len(victims) < EVICT_BATCH:
                 break
-        return evicted
+        return evicted, freed
 
     # ---- references and LRU -------------------------------------------------------------------
 

@@ -222,9 +222,9 @@ class CacheStore:
         for name, tier in self._tiers.items():
             used, _ = index.usage(name)
             if used > tier.quota:  # the quota was lowered since the last run
-                evicted = index.evict((name,), used - tier.quota)
-                self.counters.count("evictions", len(evicted))
-                report.over_quota_removed += len(evicted)
+                evicted, _ = index.evict((name,), used - tier.quota)
+                self.counters.count("evictions", evicted)
+                report.over_quota_removed += evicted
         return report
 
     def _keeper(
@@ -501,9 +501,9 @@ class CacheStore:
 
     def gc(self) -> int:
         """Evict every unreferenced row in every tier; returns how many."""
-        evicted = self._require_open().evict(TIER_NAMES, math.inf)
-        self.counters.count("evictions", len(evicted))
-        return len(evicted)
+        evicted, _ = self._require_open().evict(TIER_NAMES, math.inf)
+        self.counters.count("evictions", evicted)
+        return evicted
 
     def evict_bytes(self, n: int, tiers: Iterable[str] | None = None) -> tuple[int, int]:
         """Free at least n bytes (if that many are unreferenced), least recently used first across `tiers`
@@ -515,9 +515,9 @@ class CacheStore:
             raise ValueError(f"unknown tier(s) {', '.join(sorted(bad))}")
         if n <= 0:
             return 0, 0
-        evicted = index.evict(names, n)
-        self.counters.count("evictions", len(evicted))
-        return len(evicted), sum(r.size for r in evicted)
+        evicted, freed = index.evict(names, n)
+        self.counters.count("evictions", evicted)
+        return evicted, freed
 
     def dump(self, model: str | None = None, tier: str | None = None) -> list[dict]:
         """Every row as the contract's `cache dump` shape, most recently used first.
