@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
@@ -55,6 +56,9 @@ INITIAL_MAP_SIZE = 1 << 30
 """The map a new index starts with; it doubles whenever it is three quarters used."""
 EVICT_BATCH = 64
 """Rows removed per transaction by an eviction or gc: each transaction stays a few milliseconds long."""
+FOLD_BATCH = 256
+"""Restores' touches folded per write: a burst of restores with no save between is written back in
+several short transactions, not one long one."""
 _GROW_AT = 0.75  # of the map in use: the next write doubles it first
 
 RESERVED = "reserved"
@@ -411,6 +415,7 @@ class Index:
 
     def close(self) -> None:
         """Fold pending LRU touches into the rows, make them durable and close LMDB."""
+        self._drain_touches()
         with self.write() as b:
             b.durable = True
         self._env.close()
@@ -577,7 +582,10 @@ class Index:
     def _begin(self, batch: Batch) -> None:
         """Start-of-write housekeeping: drop the gone marks of finished deletions, fold pending touches."""
         with self._mem_lock:
-            touched, self._touched = self._touched, {}
+            if len(self._touched) <= FOLD_BATCH:
+                touched, self._touched = self._touched, {}
+            else:  # the oldest first; the rest go with the next writes
+                touched = {key: self._touched.pop(key) for key in list(islice(self._touched, FOLD_BATCH))}
             batch.cleared, self._cleared = self._cleared, []
         for key in batch.cleared:
             batch.txn.delete(key, db=self._gone)
@@ -630,6 +638,13 @@ class Index:
             while key in self._deleting:
                 self._deleted.wait()
 
+    def _drain_touches(self) -> None:
+        """Fold a backlog of touches in short transactions of their own, so that the one that then chooses
+        victims (and must fold every touch left, to be exact) stays short too."""
+        while len(self._touched) > FOLD_BATCH:
+            with self.write():
+                pass
+
     def _grow_if_full(self) -> None:
         """Double the map once it is three quarters used (the write lock is held, no write is open)."""
         info = self._env.info()
@@ -672,6 +687,7 @@ class Index:
         self, key: bytes, tier: str, size: int, *, model: str, tokens: int, text_bytes: int, save_reason: str
     ) -> Reservation:
         """Claim `key` for one writer and `size` bytes of `tier`, evicting that tier's LRU rows to fit."""
+        self._drain_touches()
         with self.write() as b:
             if b.get(key) is not None:
                 return Reservation("duplicate")
@@ -750,6 +766,7 @@ class Index:
         walk = _Walk(tuple(tiers), until=self.now_ns())
         evicted = freed = 0
         while freed < need:
+            self._drain_touches()
             with self.write() as b:
                 victims = self._victims(b, walk, need - freed, partial=True, limit=EVICT_BATCH) or []
                 for row in victims:

@@ -109,6 +109,29 @@ def test_a_save_into_a_full_tier_reads_a_few_rows_not_the_index(
     assert store.counters["evictions"] == 1 and store.check() == []
 
 
+def test_a_burst_of_restores_is_folded_in_short_transactions(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(index_mod, "FOLD_BATCH", 4)
+    store = stores(disk=30 * SIZE)
+    fill(store, 30)
+    for i in reversed(range(20)):  # no write between them: 20 touches wait in memory
+        assert restore(store, ckpt(i).key)
+    folds: list[int] = []
+    fold = index_mod.Batch.fold
+
+    def recorded(batch: index_mod.Batch, touched: dict[bytes, tuple[int, int]]) -> None:
+        folds.append(len(touched))
+        fold(batch, touched)
+
+    monkeypatch.setattr(index_mod.Batch, "fold", recorded)
+    fill(store, 11, start=100)  # the full tier evicts the 11 least recently used rows
+    assert max(folds) <= 4 and sum(folds) == 20
+    evicted = {ckpt(i).key for i in range(30)} - keys(store)
+    assert evicted == {ckpt(i).key for i in [*range(20, 30), 19]}
+    assert store.check() == []
+
+
 def test_the_best_of_many_rows_sharing_a_prefix_is_read_first(stores: Stores, monkeypatch: pytest.MonkeyPatch) -> None:
     store = stores()
     fill(store, 200)

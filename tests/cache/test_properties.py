@@ -1,7 +1,8 @@
 """Stateful property test: random saves, lookups (exact and by prefix), restores (with held references),
 gc, evict_bytes and restarts, checked step by step against a model of what an LRU cache with per-tier
-quotas must hold. Evictions run in batches of two rows, so every gc and most evictions take several
-transactions, and `check()` verifies the index's LRU and alias structures after every step."""
+quotas must hold. Evictions run in batches of two rows and writes fold one restore's touch each, so
+every gc and most evictions take several transactions and touches wait in memory across writes; `check()`
+verifies the index's LRU and alias structures after every step."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def checkpoint(idx: int, state_len: int) -> Checkpoint:
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.batch, index_mod.EVICT_BATCH = index_mod.EVICT_BATCH, 2
+        self.batches = index_mod.EVICT_BATCH, index_mod.FOLD_BATCH
+        index_mod.EVICT_BATCH, index_mod.FOLD_BATCH = 2, 1
         self.root = Path(tempfile.mkdtemp(prefix="barrel-prop-", dir="/dev/shm"))
         self.store = self._open()
         self.tick = 0
@@ -202,7 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
         for stack in self.pins.values():
             stack.close()
         self.store.close()
-        index_mod.EVICT_BATCH = self.batch
+        index_mod.EVICT_BATCH, index_mod.FOLD_BATCH = self.batches
         shutil.rmtree(self.root, ignore_errors=True)
 
 
