@@ -21,8 +21,12 @@ them after a crash instead of adopting them back.
 
 Refcounts, and the LRU touches of restores, are process-local and live in memory: a restore never writes
 to LMDB (no fsync on the read path). Touches are folded into the rows (and their lru entries) by the next
-write, and again, under the lock touches take, just before victims are chosen, so eviction order is the
-exact order of use. A crash loses only the recency of the latest restores.
+writes, FOLD_BATCH at a time, and all that are left, under the lock touches take, just before victims are
+chosen, so eviction order is the exact order of use. A crash loses only the recency of the latest restores.
+
+Commits sync their data pages under the write lock; the sync that makes a commit durable (LMDB's meta
+page) runs after the lock is released, for the commits that must last: a publish, and a removal before
+its payloads are deleted.
 """
 
 from __future__ import annotations
