@@ -215,6 +215,14 @@ def _merge_touches(into: dict[bytes, tuple[int, int]], more: dict[bytes, tuple[i
         into[key] = (max(ns, old_ns), hits + old_hits)
 
 
+class Payload(NamedTuple):
+    """The bytes of a removed row, to delete once the index has let go of them."""
+
+    key: bytes
+    tier: str
+    location: str
+
+
 @dataclass(frozen=True)
 class Hit:
     """What a lookup found: restore `row_key` and keep its first `n_tokens` of `total_tokens`."""
@@ -267,6 +275,35 @@ class _Walk:
                 yield entry[1:]
 
 
+class _FairLock:
+    """A first-come first-served lock: a writer waiting for it gets it before its holder can take it back,
+    so the back-to-back transactions of a gc cannot starve a save (a plain lock lets the releasing thread
+    take it again before the woken waiter runs)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the next ticket handed out
+        self._serving = 0  # the ticket that may hold the lock
+
+    def acquire(self) -> None:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def release(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class _MapGuard:
     """Read transactions share the memory map; growing it replaces the map, so it waits for them to end."""
 
@@ -309,7 +346,8 @@ class Batch:
     def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
         self._index = index
         self.txn = txn
-        self.removed: list[Row] = []
+        self.removed: list[Payload] = []
+        self.defer = False  # leave the removed payloads to the caller (an eviction deletes them at its end)
         self.doomed: list[bytes] = []
         self.durable = False  # made durable before `write` returns
         self.deltas: dict[str, list[int]] = {}
@@ -348,7 +386,7 @@ class Batch:
         self._delta(row.tier, -row.size, -1)
         if delete_bytes and row.location is not None:
             self.txn.put(row.key, f"{row.tier}\0{row.location}".encode(), db=self._index._gone)
-            self.removed.append(row)
+            self.removed.append(Payload(row.key, row.tier, row.location))
 
     def relink(self, old: Row | None, new: Row | None) -> None:
         """Replace `old`'s lru and prefix entries with `new`'s, touching only those that differ."""
@@ -377,8 +415,8 @@ class Batch:
 class Index:
     """Rows, LRU order and aliases in LMDB; reservations, eviction and (in memory) refcounts and touches.
 
-    `forget(row)` runs as a removal commits (the tier stops counting the row's bytes); `delete(rows)` runs
-    after the write lock is released, removes their bytes durably and returns the keys it could.
+    `forget(payload)` runs as a removal commits (the tier stops counting its bytes); `delete(payloads)` runs
+    after the write lock is released, removes the bytes durably and returns the keys it could.
     """
 
     def __init__(
@@ -386,8 +424,8 @@ class Index:
         path: Path,
         quotas: dict[str, int],
         *,
-        forget: Callable[[Row], None],
-        delete: Callable[[list[Row]], set[bytes]],
+        forget: Callable[[Payload], None],
+        delete: Callable[[list[Payload]], set[bytes]],
     ) -> None:
         path = Path(path)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -403,14 +441,15 @@ class Index:
         self._page = self._env.stat()["psize"]
         self.quotas = dict(quotas)
         self._forget, self._delete = forget, delete
-        self._write_lock = threading.Lock()
+        self._write_lock = _FairLock()
         self._map = _MapGuard()
         self._mem_lock = threading.Lock()  # refs, doomed, touches, deletions, clock
         self._deleted = threading.Condition(self._mem_lock)
         self._refs: dict[bytes, int] = {}
         self._doomed: set[bytes] = set()
         self._touched: dict[bytes, tuple[int, int]] = {}
-        self._deleting: dict[bytes, int] = {}  # keys whose payload deletion is running
+        self._deleting: dict[bytes, Payload] = {}  # removed, their bytes not deleted yet
+        self._unlinking: set[bytes] = set()  # keys whose payload a thread is deleting now
         self._cleared: list[bytes] = []  # keys whose gone mark the next write drops
         self._clock = 0
         self._used: dict[str, int] = dict.fromkeys(quotas, 0)
@@ -572,6 +611,8 @@ class Index:
                     raise IndexWriteError(f"the index could not commit: {e}") from e
                 raise
             self._committed(batch)
+        if batch.defer:
+            return
         if batch.durable or batch.removed:  # a removal must last before its payloads are deleted
             self._sync()
         self._delete_payloads(batch.removed)
@@ -608,39 +649,51 @@ class Index:
         for tier, (size, rows) in batch.deltas.items():
             self._used[tier] = self._used.get(tier, 0) + size
             self._count[tier] = self._count.get(tier, 0) + rows
-        for row in batch.removed:
+        for payload in batch.removed:
             try:
-                self._forget(row)
+                self._forget(payload)
             except Exception:  # committed already; the tier's own accounting is off until it deletes it
-                log.exception("forgetting the payload of %s failed", row.key.hex())
+                log.exception("forgetting the payload of %s failed", payload.key.hex())
         with self._mem_lock:
             self._doomed.difference_update(batch.doomed)
-            for row in batch.removed:
-                self._deleting[row.key] = self._deleting.get(row.key, 0) + 1
+            self._deleting.update((payload.key, payload) for payload in batch.removed)
 
-    def _delete_payloads(self, rows: list[Row]) -> None:
-        """Delete removed rows' payloads, outside the write lock. The gone marks of those deleted go with
-        the next write; a failure leaves its mark for the next open to finish."""
-        if not rows:
+    def _delete_payloads(self, payloads: list[Payload]) -> None:
+        """Delete removed payloads, outside the write lock, EVICT_BATCH at a time (each batch made durable
+        by the tiers before its gone marks go with the next write; a failure leaves its mark for the next
+        open). One a publisher of the same key has taken over is skipped."""
+        for start in range(0, len(payloads), EVICT_BATCH):
+            with self._mem_lock:
+                mine = self._claim(p.key for p in payloads[start : start + EVICT_BATCH])
+            self._unlink(mine)
+
+    def _claim(self, keys: Iterable[bytes]) -> list[Payload]:
+        """Take pending deletions for this thread to do (the memory lock is held)."""
+        mine = [self._deleting.pop(key) for key in keys if key in self._deleting]
+        self._unlinking.update(p.key for p in mine)
+        return mine
+
+    def _unlink(self, payloads: list[Payload]) -> None:
+        if not payloads:
             return
         done: set[bytes] = set()
         try:
-            done = self._delete(rows)
+            done = self._delete(payloads)
         finally:
             with self._mem_lock:
-                for row in rows:
-                    left = self._deleting.pop(row.key) - 1
-                    if left:
-                        self._deleting[row.key] = left
+                self._unlinking.difference_update(p.key for p in payloads)
                 self._cleared.extend(done)
                 self._deleted.notify_all()
 
     def settle(self, key: bytes) -> None:
-        """Wait until no payload of `key` is being deleted, so a new payload under its name is not
-        deleted in its place."""
+        """Make sure no earlier payload of `key` is left to delete, so a new payload under its name is not
+        deleted in its place: wait for a deletion under way, or do a pending one now (a gc may not reach
+        it for minutes)."""
         with self._deleted:
-            while key in self._deleting:
+            while key in self._unlinking:
                 self._deleted.wait()
+            mine = self._claim((key,))
+        self._unlink(mine)
 
     def _drain_touches(self) -> None:
         """Fold a backlog of touches in short transactions of their own, so that the one that then chooses
@@ -765,20 +818,28 @@ class Index:
 
     def evict(self, tiers: Iterable[str], need: float) -> tuple[int, int]:
         """Evict unreferenced rows, least recently used first, until `need` bytes are freed or none used
-        before the call remain; (rows, bytes) evicted. In transactions of EVICT_BATCH rows, each deleting
-        its payloads after releasing the lock, so saves and lookups go on between them however long a gc."""
+        before the call remain; (rows, bytes) evicted. In transactions of EVICT_BATCH rows, so saves and
+        lookups go on between them however long a gc is; the payloads are deleted after the last one."""
         walk = _Walk(tuple(tiers), until=self.now_ns())
         evicted = freed = 0
-        while freed < need:
-            self._drain_touches()
-            with self.write() as b:
-                victims = self._victims(b, walk, need - freed, partial=True, limit=EVICT_BATCH) or []
-                for row in victims:
-                    b.remove(row)
-            evicted += len(victims)
-            freed += sum(r.size for r in victims)
-            if len(victims) < EVICT_BATCH:
-                break
+        removed: list[Payload] = []
+        try:
+            while freed < need:
+                self._drain_touches()
+                with self.write() as b:
+                    b.defer = True
+                    victims = self._victims(b, walk, need - freed, partial=True, limit=EVICT_BATCH) or []
+                    for row in victims:
+                        b.remove(row)
+                removed += b.removed
+                evicted += len(victims)
+                freed += sum(r.size for r in victims)
+                if len(victims) < EVICT_BATCH:
+                    break
+        finally:
+            if removed:  # once every removal is in and durable: no deletion competes with those commits
+                self._sync()
+                self._delete_payloads(removed)
         return evicted, freed
 
     # ---- references and LRU -------------------------------------------------------------------

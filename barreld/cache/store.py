@@ -2,7 +2,7 @@
 
 Publish protocol (one save): reserve the key and its bytes in the index (evicting that tier's least
 recently used unreferenced rows to fit; their files are deleted once the index has let go of them) ->
-wait until no earlier file of this key is still being deleted -> write a temp file in the tier's
+make sure no earlier file of this key is left to delete -> write a temp file in the tier's
 directory -> fdatasync -> confirm the reservation is still ours -> rename into place -> fsync the
 directory -> mark the row available, durably. A crash anywhere leaves a state `open()` reconciles: a
 reserved row is cleared, a temp file removed, the file of a row removed before the crash deleted, a
@@ -28,7 +28,7 @@ from barreld.names import TIER_NAMES
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Row, RowHead, valid_aliases
+from .index import AVAILABLE, RESERVED, Hit, Index, Payload, Row, RowHead, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
 
@@ -176,20 +176,19 @@ class CacheStore:
     def _file_tiers(self) -> list[FileTier]:
         return [t for t in self._tiers.values() if isinstance(t, FileTier)]
 
-    def _forget_payload(self, row: Row) -> None:
-        if row.location is not None:
-            self._tiers[row.tier].forget(row.location)
+    def _forget_payload(self, payload: Payload) -> None:
+        self._tiers[payload.tier].forget(payload.location)
 
-    def _delete_payloads(self, rows: list[Row]) -> set[bytes]:
+    def _delete_payloads(self, payloads: list[Payload]) -> set[bytes]:
         """Delete removed rows' payloads, then sync each file tier's directory once, so a deletion is
         durable before the index forgets it was due; the keys deleted. Run outside the index's lock."""
         done: dict[bytes, str] = {}
-        for row in rows:
+        for p in payloads:
             try:
-                self._tiers[row.tier].delete(row.location or "")
-                done[row.key] = row.tier
+                self._tiers[p.tier].delete(p.location)
+                done[p.key] = p.tier
             except Exception:
-                log.exception("deleting the payload of %s failed; the next open deletes it", row.key.hex())
+                log.exception("deleting the payload of %s failed; the next open deletes it", p.key.hex())
         for tier in self._file_tiers():
             if tier.name in done.values():
                 try:
@@ -406,7 +405,7 @@ class CacheStore:
         if res.status != "reserved":
             self.counters.count("saves_dropped")
             return SaveOutcome("dropped", key, tier_name, detail=res.status)
-        index.settle(key)  # an earlier payload of this key still being deleted must not take the new one
+        index.settle(key)  # an earlier file of this key left to delete must not take the new one with it
         try:
             location = tier.put(key.hex(), encode_parts(ckpt), lambda: index.holds(key, res.token))
         except TierWriteError as e:

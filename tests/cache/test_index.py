@@ -242,23 +242,48 @@ def test_gc_in_batches_spares_rows_used_after_it_began(stores: Stores, monkeypat
     monkeypatch.setattr(index_mod, "EVICT_BATCH", 2)
     store = stores()
     fill(store, 9)
-    disk = store._tiers["disk"]
-    real, calls = disk.delete, []
+    index = index_of(store)
+    drain, batches, gc_thread = index._drain_touches, [], threading.get_ident()
 
-    def between_batches(location: str) -> None:  # runs on the gc's thread, outside the write lock
-        if not calls:
-            assert store.save(ckpt(20), "disk", sync=True, timeout=10).status == "published"
-            assert restore(store, ckpt(8).key)  # the most recent row, not evicted yet: now used again
-        calls.append(location)
-        real(location)
+    def between_batches() -> None:  # runs before each batch of the gc, outside the write lock (and in saves)
+        if threading.get_ident() == gc_thread:
+            if len(batches) == 1:
+                assert store.save(ckpt(20), "disk", sync=True, timeout=10).status == "published"
+                assert restore(store, ckpt(8).key)  # the most recent row, not evicted yet: now used again
+            batches.append(len(store.dump()))
+        drain()
 
-    monkeypatch.setattr(disk, "delete", between_batches)
+    monkeypatch.setattr(index, "_drain_touches", between_batches)
     with store.restore(store.lookup(ckpt(4).key)) as pinned:  # type: ignore[arg-type]
         assert pinned is not None
         assert store.gc() == 7  # 9 rows, less the pinned one and the one restored during the gc
-    assert len(calls) == 7
+    assert batches == [9, 8, 6, 4]  # 2, 2, 2 and the last one
     assert keys(store) == {ckpt(4).key, ckpt(8).key, ckpt(20).key}
+    files = {Path(r["location"]).name for r in store.dump()}
+    assert {p.name for p in (Path(store._tiers["disk"].root)).glob("*.kvc")} == files  # the rest deleted
     assert store.check() == []
+
+
+def test_a_save_takes_over_the_deletion_of_its_keys_old_file(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gc deletes its files after its last transaction: a save of a key it removed does not wait for that."""
+    monkeypatch.setattr(index_mod, "EVICT_BATCH", 2)
+    store = stores()
+    fill(store, 6)
+    index = index_of(store)
+    drain, saved, gc_thread = index._drain_touches, [], threading.get_ident()
+
+    def between_batches() -> None:
+        gone = store.lookup(ckpt(0).key) is None  # row 0 removed, its file not deleted yet
+        if threading.get_ident() == gc_thread and gone and not saved:
+            saved.append(store.save(ckpt(0), "disk", sync=True, timeout=10).status)
+        drain()
+
+    monkeypatch.setattr(index, "_drain_touches", between_batches)
+    assert store.gc() == 6
+    assert saved == ["published"]
+    assert restore(store, ckpt(0).key) and keys(store) == {ckpt(0).key} and store.check() == []
 
 
 # ---- the map grows ------------------------------------------------------------------------------
@@ -399,3 +424,24 @@ def test_an_unreadable_row_is_dropped_never_misread(stores: Stores, caplog: pyte
     assert logged == ["the cache index held 1 unreadable rows: 1 dropped, 3 kept"]
     assert store.last_reconcile is not None and store.last_reconcile.adopted == 1  # its file, verified
     assert keys(store) == {ckpt(i).key for i in range(4)} and store.check() == []
+
+
+def test_the_write_lock_serves_a_waiting_writer_before_its_holder_again() -> None:
+    """A gc's transactions come back to back; a save waiting between them must get its turn."""
+    lock = index_mod._FairLock()
+    order: list[str] = []
+    lock.acquire()
+
+    def save() -> None:
+        with lock:
+            order.append("save")
+
+    waiter = threading.Thread(target=save)
+    waiter.start()
+    while lock._next < 2:  # the save has taken its ticket and waits
+        threading.Event().wait(0.001)
+    lock.release()
+    with lock:  # the gc's next transaction, straight away
+        order.append("gc")
+    waiter.join(10)
+    assert order == ["save", "gc"]
