@@ -14,10 +14,11 @@ A row's lru and prefixes entries change in the transaction that changes the row,
 or the best of any number of rows sharing a prefix costs O(k log N) or O(log N), never a scan.
 
 Readers use LMDB read transactions under a shared hold on the memory map (growing the map replaces it).
-Writers are serialised by one lock held for one transaction; the payloads of removed rows are deleted
-after it is released, so a gc of many rows (done in batches) never holds up a save or a lookup for more
-than one short transaction. Their `gone` marks, committed with the removal, make the next open delete
-them after a crash instead of adopting them back.
+Writers are serialised by one first-come first-served lock held for one transaction. The payloads of
+removed rows are deleted after it is released (an eviction's, after its last transaction), so a gc of
+many rows, done in batches, never holds up a save for more than one short transaction and a lookup not
+at all. Their `gone` marks, committed with the removal, make the next open delete them after a crash
+instead of adopting them back.
 
 Refcounts, and the LRU touches of restores, are process-local and live in memory: a restore never writes
 to LMDB (no fsync on the read path). Touches are folded into the rows (and their lru entries) by the next
