@@ -232,13 +232,11 @@ class CacheStore:
         """Whether to keep a row found at open: an available row whose file is where its tier keeps it,
         of the size the row says (its location then goes into `kept`). Every row passes through here, so
         the common case is a few lookups."""
-        location_for = {tier.name: tier.location_for for tier in self._file_tiers()}
-
         def keep(row: RowHead) -> bool:
             files = stored.get(row.tier)
             size = files.get(row.location) if files is not None else None
-            home = location_for.get(row.tier)
-            if row.status == AVAILABLE and size == row.size and home and row.location == home(row.key.hex()):
+            # A scanned location is `<tier root>/<64 hex digits>.kvc`: it is this row's if the digits are its key.
+            if row.status == AVAILABLE and size == row.size and row.location[-68:-4] == row.key.hex():
                 kept.add(row.location)
                 return True
             self._dropped_at_open(row, size, report)
