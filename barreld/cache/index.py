@@ -41,7 +41,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import islice
@@ -147,6 +147,15 @@ class Row:
             token=token,
             aliases=tuple(_ROW_ALIAS.iter_unpack(raw[end:])),
         )
+
+
+class Listing(NamedTuple):
+    """A file tier's payloads as its scan found them (location -> size), and where it keeps a key's:
+    `prefix` + key hex + `suffix`."""
+
+    prefix: str
+    suffix: str
+    sizes: Mapping[str, int]
 
 
 class RowHead(NamedTuple):
@@ -534,36 +543,47 @@ class Index:
             b.txn.put(b"tiers", _TIERS, db=self._meta)
         return kept, dropped
 
-    def survey(self, keep: Callable[[RowHead], bool]) -> None:
-        """One pass over every row at open, each decoded once (its head only): per-tier totals are
-        recounted, the LRU clock restarts after the newest row, and the rows `keep` refuses are removed
-        afterwards (their payloads untouched). Rows this version cannot read are dropped, with one log
-        line, and the lru and prefix entries rebuilt without them."""
+    def survey(self, listings: Mapping[str, Listing], dropped: Callable[[RowHead, int | None], None]) -> set[str]:
+        """One pass over every row at open, each decoded once (its head only), against what the file tiers
+        hold (`listings`, from their one directory scan each). A row is kept when it is available and its
+        file is where its tier keeps its key, of the size the row says: the locations kept are returned.
+        Every other row goes to `dropped` (with the size of the file at its location, if any) and is then
+        removed, its payload untouched. Per-tier totals are recounted and the LRU clock restarts after the
+        newest row. Rows this version cannot read are dropped, with one log line, and the lru and prefix
+        entries rebuilt without them."""
         used = dict.fromkeys(self.quotas, 0)
         count = dict.fromkeys(self.quotas, 0)
-        dropped: list[bytes] = []
+        kept: set[str] = set()
+        lost: list[bytes] = []
         clock = bad = 0
         with self._reading() as txn:
-            for key, raw in txn.cursor(db=self._rows):  # the hot loop of open: kept lean
+            for key, raw in txn.cursor(db=self._rows):  # the hot loop of open: 100,000 rows, kept lean
                 try:
                     head, fields, _ = _unpack(key, raw)
                 except RowFormatError:
                     bad += 1
                     continue
-                tier, size, ns = fields[1], head[2], head[6]
+                tier, size, ns, location = fields[1], head[2], head[6], fields[3]
                 used[tier] = used.get(tier, 0) + size
                 count[tier] = count.get(tier, 0) + 1
                 if ns > clock:
                     clock = ns
-                if not keep(RowHead(key, tier, _STATUSES[head[1]], size, fields[3] or None, ns)):
-                    dropped.append(key)
+                listing = listings.get(tier)
+                found = listing.sizes.get(location) if listing is not None else None
+                home = f"{listing.prefix}{key.hex()}{listing.suffix}" if found == size else None
+                if head[1] == _STATUS_CODES[AVAILABLE] and location == home:
+                    kept.add(location)
+                    continue
+                dropped(RowHead(key, tier, _STATUSES[head[1]], size, location or None, ns), found)
+                lost.append(key)
         self._used, self._count = used, count
         with self._mem_lock:
             self._clock = max(self._clock, clock)
-        self._in_batches(dropped, self._drop)
+        self._in_batches(lost, self._drop)
         if bad:
-            kept, lost = self._rewrite(_decode_any)
-            log.warning("the cache index held %d unreadable rows: %d dropped, %d kept", bad, lost, kept)
+            rewritten, gone = self._rewrite(_decode_any)
+            log.warning("the cache index held %d unreadable rows: %d dropped, %d kept", bad, gone, rewritten)
+        return kept
 
     @staticmethod
     def _drop(b: Batch, key: bytes) -> None:

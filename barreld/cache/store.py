@@ -28,7 +28,7 @@ from barreld.names import TIER_NAMES
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Payload, Row, RowHead, valid_aliases
+from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Row, RowHead, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
 
@@ -211,8 +211,8 @@ class CacheStore:
         stored = {tier.name: tier.sizes() for tier in self._file_tiers()}
         for tier in self._file_tiers():
             report.temps_removed += tier.cleanup_temps()
-        kept: set[str] = set()
-        index.survey(self._keeper(stored, kept, report))
+        listings = {tier.name: Listing(*tier.location_parts(), stored[tier.name]) for tier in self._file_tiers()}
+        kept = index.survey(listings, lambda row, size: self._dropped_at_open(row, size, report))
         self._delete_gone(stored, kept, report)
         for tier in self._file_tiers():
             orphans = stored[tier.name]
@@ -225,24 +225,6 @@ class CacheStore:
                 self.counters.count("evictions", evicted)
                 report.over_quota_removed += evicted
         return report
-
-    def _keeper(
-        self, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport
-    ) -> Callable[[RowHead], bool]:
-        """Whether to keep a row found at open: an available row whose file is where its tier keeps it,
-        of the size the row says (its location then goes into `kept`). Every row passes through here, so
-        the common case is a few lookups."""
-        def keep(row: RowHead) -> bool:
-            files = stored.get(row.tier)
-            size = files.get(row.location) if files is not None else None
-            # A scanned location is `<tier root>/<64 hex digits>.kvc`: it is this row's if the digits are its key.
-            if row.status == AVAILABLE and size == row.size and row.location[-68:-4] == row.key.hex():
-                kept.add(row.location)
-                return True
-            self._dropped_at_open(row, size, report)
-            return False
-
-        return keep
 
     def _dropped_at_open(self, row: RowHead, size: int | None, report: ReconcileReport) -> None:
         """Count (and log) a row dropped at open. Its file, if one is there, is verified by the adoption

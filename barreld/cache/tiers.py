@@ -29,6 +29,7 @@ from .errors import StoreLocked, TierWriteError
 FAULT_ENV = "BARREL_FAULT_WRITE"
 fault_hook: Callable[[str], None] | None = None
 
+_SUFFIX = ".kvc"
 _PUBLISHED = re.compile(r"^[0-9a-f]{64}\.kvc$")
 _TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
@@ -248,7 +249,11 @@ class FileTier(Tier):
 
     def location_for(self, name: str) -> str:
         """Where a payload named `name` (its key hex) is published."""
-        return f"{self._prefix}{name}.kvc"
+        return f"{self._prefix}{name}{_SUFFIX}"
+
+    def location_parts(self) -> tuple[str, str]:
+        """What comes before and after a payload's name in its location."""
+        return self._prefix, _SUFFIX
 
     def _check_location(self, location: str) -> str:
         head, name = os.path.split(location)
