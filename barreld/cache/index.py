@@ -59,9 +59,9 @@ log = logging.getLogger("barreld.cache")
 INDEX_FORMAT = 2
 INITIAL_MAP_SIZE = 1 << 30
 """The map a new index starts with; it doubles whenever it is three quarters used."""
-EVICT_BATCH = 64
+EVICT_BATCH = 32
 """Rows removed per transaction by an eviction or gc: each transaction stays a few milliseconds long."""
-FOLD_BATCH = 256
+FOLD_BATCH = 128
 """Restores' touches folded per write: a burst of restores with no save between is written back in
 several short transactions, not one long one."""
 _GROW_AT = 0.75  # of the map in use: the next write doubles it first
