@@ -385,7 +385,7 @@ class Batch:
             raise ValueError("a row's tier and size never change in place")
         self.txn.put(row.key, row.encode(), db=self._index._rows)
         self.relink(old, row)
-        if row.status == AVAILABLE:
+        if row.status == AVAILABLE and (old is None or old.status != AVAILABLE):
             self.txn.delete(row.key, db=self._index._gone)  # the location is a live row's again
 
     def remove(self, row: Row, *, delete_bytes: bool = True) -> None:
