@@ -307,6 +307,10 @@ def section(levels: list[Level], m: dict[str, str], elapsed: float) -> str:
         "commit costs on this machine. A save's whole latency also waits on the disk, which the gc's file "
         "deletions share.",
         "",
+        "Before the index kept its LRU order and ranked aliases in LMDB, the same kind of rows gave, at 100,000 "
+        "rows: 3.6 s for a save into a full tier, 3.0 s for an alias hit shared by every row, 17 s to open, "
+        "and 26 s of gc with the index locked throughout.",
+        "",
         f"Targets at {levels[-1].rows:,} rows:",
         "",
         *(f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in verdicts(levels[-1]).items()),
