@@ -129,30 +129,8 @@ def gguf_chunked_digest(path: Path) -> bytes:
             raise ValueError(f"{path}: not a GGUF file (empty)") from e
     with buf:
         r = _GGUFReader(buf, path)
-        if len(buf) < 24 or buf[:4] != b"GGUF":
-            raise ValueError(f"{path}: not a GGUF file (bad magic)")
-        r.pos = 4
-        version = r.u32()
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (only v2 and v3, little-endian)")
-        n_tensors, n_kv = r.u64(), r.u64()
-        alignment = 32
-        for _ in range(n_kv):
-            name = r.string()
-            vtype = r.u32()
-            value = r.value(vtype)
-            if name == b"general.alignment" and vtype == _GGUF_UINT32:
-                alignment = struct.unpack("<I", value)[0]
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"{path}: corrupt GGUF (general.alignment {alignment} is not a power of two)")
-        offsets = []
-        for _ in range(n_tensors):
-            r.skip_string()
-            n_dims = r.u32()
-            if n_dims > 8:
-                raise ValueError(f"{path}: corrupt GGUF (tensor with {n_dims} dimensions)")
-            r.take(8 * n_dims + 4)
-            offsets.append(r.u64())
+        n_tensors, alignment = _gguf_metadata(r)
+        offsets = _gguf_tensor_offsets(r, n_tensors)
         info_end = r.pos
         h = hashlib.sha256(buf[:info_end])
         if offsets:
@@ -165,6 +143,40 @@ def gguf_chunked_digest(path: Path) -> bytes:
                 raise ValueError(f"{path}: truncated GGUF (first tensor's data lies past the end)")
             h.update(buf[start:end])
         return h.digest()
+
+
+def _gguf_metadata(r: _GGUFReader) -> tuple[int, int]:
+    """Read the header and every metadata pair: (tensor count, general.alignment or its default 32)."""
+    if len(r.buf) < 24 or r.buf[:4] != b"GGUF":
+        raise ValueError(f"{r.path}: not a GGUF file (bad magic)")
+    r.pos = 4
+    version = r.u32()
+    if version not in (2, 3):
+        raise ValueError(f"{r.path}: unsupported GGUF version {version} (only v2 and v3, little-endian)")
+    n_tensors, n_kv = r.u64(), r.u64()
+    alignment = 32
+    for _ in range(n_kv):
+        name = r.string()
+        vtype = r.u32()
+        value = r.value(vtype)
+        if name == b"general.alignment" and vtype == _GGUF_UINT32:
+            alignment = struct.unpack("<I", value)[0]
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{r.path}: corrupt GGUF (general.alignment {alignment} is not a power of two)")
+    return n_tensors, alignment
+
+
+def _gguf_tensor_offsets(r: _GGUFReader, n_tensors: int) -> list[int]:
+    """Read every tensor info; their data offsets in file order."""
+    offsets = []
+    for _ in range(n_tensors):
+        r.skip_string()
+        n_dims = r.u32()
+        if n_dims > 8:
+            raise ValueError(f"{r.path}: corrupt GGUF (tensor with {n_dims} dimensions)")
+        r.take(8 * n_dims + 4)
+        offsets.append(r.u64())
+    return offsets
 
 
 _CTX_LAYOUT_VERSION = 3

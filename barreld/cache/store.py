@@ -1,10 +1,12 @@
 """CacheStore: what the engine calls to save, find and restore KV checkpoints.
 
 Publish protocol (one save): reserve the key and its bytes in the index (evicting that tier's least
-recently used unreferenced rows to fit) -> write a temp file in the tier's directory -> fdatasync ->
-confirm the reservation is still ours -> rename into place -> fsync the directory -> mark the row
-available. A crash anywhere leaves a state `open()` reconciles: a reserved row is cleared, a temp file
-removed, a complete published file without a row verified and adopted.
+recently used unreferenced rows to fit; their files are deleted once the index has let go of them) ->
+make sure no earlier file of this key is left to delete -> write a temp file in the tier's
+directory -> fdatasync -> confirm the reservation is still ours -> rename into place -> fsync the
+directory -> mark the row available, durably. A crash anywhere leaves a state `open()` reconciles: a
+reserved row is cleared, a temp file removed, the file of a row removed before the crash deleted, a
+complete published file without a row verified and adopted.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from barreld.names import TIER_NAMES
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Row, valid_aliases
+from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Row, RowHead, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
 
@@ -68,6 +70,7 @@ class ReconcileReport:
     corrupt_removed: int = 0
     duplicates_removed: int = 0
     over_quota_removed: int = 0
+    gone_deleted: int = 0  # files of rows removed before a crash cut their deletion short
 
 
 class CacheStore:
@@ -124,7 +127,9 @@ class CacheStore:
             for tier in self._file_tiers():
                 tier.lock()
             quotas = {name: t.quota for name, t in self._tiers.items()}
-            self._index = Index(self.data_dir / "index.lmdb", quotas, self._delete_payload)
+            self._index = Index(
+                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payloads
+            )
             self.last_reconcile = self._reconcile()
             log.info(
                 "reconciled the cache at open: %s",
@@ -171,9 +176,27 @@ class CacheStore:
     def _file_tiers(self) -> list[FileTier]:
         return [t for t in self._tiers.values() if isinstance(t, FileTier)]
 
-    def _delete_payload(self, row: Row) -> None:
-        if row.location is not None:
-            self._tiers[row.tier].delete(row.location)
+    def _forget_payload(self, payload: Payload) -> None:
+        self._tiers[payload.tier].forget(payload.location)
+
+    def _delete_payloads(self, payloads: list[Payload]) -> set[bytes]:
+        """Delete removed rows' payloads, then sync each file tier's directory once, so a deletion is
+        durable before the index forgets it was due; the keys deleted. Run outside the index's lock."""
+        done: dict[bytes, str] = {}
+        for p in payloads:
+            try:
+                self._tiers[p.tier].delete(p.location)
+                done[p.key] = p.tier
+            except Exception:
+                log.exception("deleting the payload of %s failed; the next open deletes it", p.key.hex())
+        for tier in self._file_tiers():
+            if tier.name in done.values():
+                try:
+                    tier.sync()
+                except OSError as e:
+                    log.warning("syncing %s after deletions failed (the next open deletes them): %s", tier.root, e)
+                    done = {k: t for k, t in done.items() if t != tier.name}
+        return set(done)
 
     def _location_for(self, tier: Tier, key: bytes) -> str:
         return tier.location_for(key.hex()) if isinstance(tier, FileTier) else key.hex()
@@ -181,48 +204,62 @@ class CacheStore:
     # ---- reconcile ----------------------------------------------------------------------------
 
     def _reconcile(self) -> ReconcileReport:
-        """Bring index and tiers into agreement after a restart or a crash (idempotent)."""
+        """Bring index and tiers into agreement after a restart or a crash (idempotent): one pass over the
+        index, each row decoded once, against the one directory scan each file tier made as it opened."""
         index = self._require_open()
         report = ReconcileReport()
+        stored = {tier.name: tier.sizes() for tier in self._file_tiers()}
         for tier in self._file_tiers():
             report.temps_removed += tier.cleanup_temps()
-        with index.write() as b:
-            for row in b.rows():
-                tier = self._tiers.get(row.tier)
-                if tier is None or not tier.persistent:
-                    b.remove(row, delete_bytes=False)
-                    report.ram_rows_dropped += 1
-                elif row.status == RESERVED:
-                    # The writer is dead; a file it published before dying is adopted below.
-                    b.remove(row, delete_bytes=False)
-                    report.reservations_cleared += 1
-                elif row.location != self._location_for(tier, row.key) or tier.size(row.location) != row.size:
-                    size = tier.size(row.location) if row.location is not None else None
-                    log.warning(
-                        "dropping cache row %s (%s): its file %s",
-                        row.key.hex(),
-                        row.tier,
-                        "is gone" if size is None else f"is {size} bytes, the row says {row.size}",
-                    )
-                    b.remove(row, delete_bytes=False)
-                    report.missing_dropped += 1
-                    if size is None:
-                        # A file still there is verified by the adoption pass below, which counts it if bad.
-                        self.counters.count("corrupt_files")
-        indexed = {row.location for row in index.rows()}
+        listings = {tier.name: Listing(*tier.location_parts(), stored[tier.name]) for tier in self._file_tiers()}
+        kept = index.survey(listings, lambda row, size: self._dropped_at_open(row, size, report))
+        self._delete_gone(stored, kept, report)
         for tier in self._file_tiers():
-            for location in sorted(tier.scan()):
-                if location not in indexed:
-                    self._adopt(tier, location, report)
+            orphans = stored[tier.name]
+            for location in sorted(orphans.keys() - kept):
+                self._adopt(tier, location, orphans[location], report)
         for name, tier in self._tiers.items():
             used, _ = index.usage(name)
             if used > tier.quota:  # the quota was lowered since the last run
-                evicted = index.evict((name,), used - tier.quota)
-                self.counters.count("evictions", len(evicted))
-                report.over_quota_removed += len(evicted)
+                evicted, _ = index.evict((name,), used - tier.quota)
+                self.counters.count("evictions", evicted)
+                report.over_quota_removed += evicted
         return report
 
-    def _adopt(self, tier: FileTier, location: str, report: ReconcileReport) -> None:
+    def _dropped_at_open(self, row: RowHead, size: int | None, report: ReconcileReport) -> None:
+        """Count (and log) a row dropped at open. Its file, if one is there, is verified by the adoption
+        pass, which counts it if bad."""
+        if row.tier not in self._configs or not self._tiers[row.tier].persistent:
+            report.ram_rows_dropped += 1
+        elif row.status == RESERVED:  # the writer is dead; a file it published before dying is adopted
+            report.reservations_cleared += 1
+        else:
+            log.warning(
+                "dropping cache row %s (%s): its file %s",
+                row.key.hex(),
+                row.tier,
+                "is gone" if size is None else f"is {size} bytes, the row says {row.size}",
+            )
+            report.missing_dropped += 1
+            if size is None:
+                self.counters.count("corrupt_files")
+
+    def _delete_gone(self, stored: dict[str, dict[str, int]], kept: set[str], report: ReconcileReport) -> None:
+        """Delete the files of rows removed before a crash cut their deletion short: gone, not orphans."""
+        index = self._require_open()
+        marks = index.gone()
+        for _, tier_name, location in marks:
+            files = stored.get(tier_name, {})
+            if location in files and location not in kept:
+                self._tiers[tier_name].delete(location)
+                del files[location]
+                report.gone_deleted += 1
+        for tier in self._file_tiers():
+            if any(name == tier.name for _, name, _ in marks):
+                tier.sync()  # the deletions last before their marks go
+        index.clear_gone([key for key, _, _ in marks])
+
+    def _adopt(self, tier: FileTier, location: str, size: int, report: ReconcileReport) -> None:
         """Index a complete file that has no row, after verifying every byte of it; else delete it."""
         index = self._require_open()
         try:
@@ -236,7 +273,6 @@ class CacheStore:
             report.corrupt_removed += 1
             self.counters.count("corrupt_files")
             return
-        size = tier.size(location) or 0
         with index.write() as b:
             duplicate = b.get(ckpt.key) is not None  # the key already lives in the other file tier
             fits = not duplicate and index.usage(tier.name)[0] + size <= tier.quota
@@ -353,6 +389,7 @@ class CacheStore:
         if res.status != "reserved":
             self.counters.count("saves_dropped")
             return SaveOutcome("dropped", key, tier_name, detail=res.status)
+        index.settle(key)  # an earlier file of this key left to delete must not take the new one with it
         try:
             location = tier.put(key.hex(), encode_parts(ckpt), lambda: index.holds(key, res.token))
         except TierWriteError as e:
@@ -447,9 +484,9 @@ class CacheStore:
 
     def gc(self) -> int:
         """Evict every unreferenced row in every tier; returns how many."""
-        evicted = self._require_open().evict(TIER_NAMES, math.inf)
-        self.counters.count("evictions", len(evicted))
-        return len(evicted)
+        evicted, _ = self._require_open().evict(TIER_NAMES, math.inf)
+        self.counters.count("evictions", evicted)
+        return evicted
 
     def evict_bytes(self, n: int, tiers: Iterable[str] | None = None) -> tuple[int, int]:
         """Free at least n bytes (if that many are unreferenced), least recently used first across `tiers`
@@ -461,9 +498,9 @@ class CacheStore:
             raise ValueError(f"unknown tier(s) {', '.join(sorted(bad))}")
         if n <= 0:
             return 0, 0
-        evicted = index.evict(names, n)
-        self.counters.count("evictions", len(evicted))
-        return len(evicted), sum(r.size for r in evicted)
+        evicted, freed = index.evict(names, n)
+        self.counters.count("evictions", evicted)
+        return evicted, freed
 
     def dump(self, model: str | None = None, tier: str | None = None) -> list[dict]:
         """Every row as the contract's `cache dump` shape, most recently used first.
@@ -536,49 +573,40 @@ class CacheStore:
         with self._plock:
             in_flight = {k.hex() for k in self._pending}
         rows = index.rows()
-        by_key = {r.key: r for r in rows}
-        problems: list[str] = []
-        for r in rows:
-            name = r.key.hex()
-            tier = self._tiers.get(r.tier)
-            if tier is None:
-                problems.append(f"{name}: unknown tier {r.tier!r}")
-            elif r.status == RESERVED:
-                if name not in in_flight:
-                    problems.append(f"{name}: reserved with no save in flight")
-            elif r.status != AVAILABLE:
-                problems.append(f"{name}: unknown status {r.status!r}")
-            elif r.location != self._location_for(tier, r.key):
-                problems.append(f"{name}: location {r.location} is not where {r.tier} keeps it")
-            elif tier.size(r.location) != r.size:
-                problems.append(f"{name}: payload is {tier.size(r.location)} bytes, row says {r.size}")
+        stored = {name: tier.scan() for name, tier in self._tiers.items()}
+        problems = index.check()
+        problems += [p for r in rows if (p := self._row_problem(r, stored, in_flight)) is not None]
         for name, tier in self._tiers.items():
-            mine = [r for r in rows if r.tier == name]
-            used, count = index.usage(name)
-            if (used, count) != (sum(r.size for r in mine), len(mine)):
-                problems.append(f"{name}: totals {used} B / {count} rows disagree with the rows")
-            if used > tier.quota:
-                problems.append(f"{name}: {used} bytes indexed over the quota of {tier.quota}")
-            if tier.used > tier.quota:
-                problems.append(f"{name}: tier holds {tier.used} bytes over the quota of {tier.quota}")
-            indexed = {r.location for r in mine if r.status == AVAILABLE}
-            stored = tier.scan()
-            for location in sorted(stored.keys() - indexed):
-                if Path(location).stem not in in_flight:
-                    problems.append(f"{name}: payload {location} has no row")
-            if not in_flight:
-                if tier.used != sum(stored.values()):
-                    problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored.values())}")
-                if isinstance(tier, FileTier) and tier.temps():
-                    problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
-        entries = set()
-        for alias, row_key, n in index.alias_entries():
-            entries.add((alias, row_key, n))
-            row = by_key.get(row_key)
-            if row is None or (alias, n) not in row.aliases:
-                problems.append(f"alias {alias.hex()} -> {row_key.hex()} belongs to no row")
-        for r in rows:
-            for alias, n in r.aliases:
-                if (alias, r.key, n) not in entries:
-                    problems.append(f"{r.key.hex()}: alias {alias.hex()} missing from the alias table")
+            problems += self._tier_problems(tier, [r for r in rows if r.tier == name], stored[name], in_flight)
+        return problems
+
+    def _row_problem(self, r: Row, stored: dict[str, dict[str, int]], in_flight: set[str]) -> str | None:
+        name = r.key.hex()
+        tier = self._tiers.get(r.tier)
+        if tier is None:
+            return f"{name}: unknown tier {r.tier!r}"
+        if r.status == RESERVED:
+            return None if name in in_flight else f"{name}: reserved with no save in flight"
+        if r.location != self._location_for(tier, r.key):
+            return f"{name}: location {r.location} is not where {r.tier} keeps it"
+        size = stored[r.tier].get(r.location)
+        return None if size == r.size else f"{name}: payload is {size} bytes, row says {r.size}"
+
+    def _tier_problems(self, tier: Tier, rows: list[Row], stored: dict[str, int], in_flight: set[str]) -> list[str]:
+        """Quotas, and payloads against rows, in one tier."""
+        name, problems = tier.name, []
+        used, _ = self._require_open().usage(name)
+        if used > tier.quota:
+            problems.append(f"{name}: {used} bytes indexed over the quota of {tier.quota}")
+        if tier.used > tier.quota:
+            problems.append(f"{name}: tier holds {tier.used} bytes over the quota of {tier.quota}")
+        indexed = {r.location for r in rows if r.status == AVAILABLE}
+        for location in sorted(stored.keys() - indexed):
+            if Path(location).stem not in in_flight:
+                problems.append(f"{name}: payload {location} has no row")
+        if not in_flight:
+            if tier.used != sum(stored.values()):
+                problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored.values())}")
+            if isinstance(tier, FileTier) and tier.temps():
+                problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
         return problems

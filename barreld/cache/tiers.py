@@ -28,6 +28,7 @@ from .errors import StoreLocked, TierWriteError
 
 fault_hook: Callable[[str], None] | None = None
 
+_SUFFIX = ".kvc"
 _PUBLISHED = re.compile(r"^[0-9a-f]{64}\.kvc$")
 _TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
@@ -66,6 +67,7 @@ class Tier(ABC):
         self.name = name
         self.quota = quota
         self.used = 0
+        self._sizes: dict[str, int] = {}  # payloads counted in `used`
         self._lock = threading.Lock()
 
     def _claim_bytes(self, n: int) -> None:
@@ -80,6 +82,15 @@ class Tier(ABC):
     def _free_bytes(self, n: int) -> None:
         with self._lock:
             self.used -= n
+
+    def forget(self, location: str) -> None:
+        """Stop counting a payload's bytes: the index has dropped its row and `delete` removes them soon.
+
+        The index calls this as it commits, so the quota guard agrees with the index at once while the
+        (slower) delete runs outside the index's lock.
+        """
+        with self._lock:
+            self.used -= self._sizes.pop(location, 0)
 
     @abstractmethod
     def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
@@ -113,8 +124,7 @@ class RamTier(Tier):
 
     def __init__(self, quota: int, name: str = "ram") -> None:
         super().__init__(name, quota)
-        self._maps: dict[str, mmap.mmap] = {}
-        self._sizes: dict[str, int] = {}
+        self._maps: dict[str, tuple[mmap.mmap, int]] = {}
 
     def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
         """Copy the parts into a fresh anonymous map; the location is the name."""
@@ -131,8 +141,9 @@ class RamTier(Tier):
             if claim_ok is not None and not claim_ok():
                 return None
             with self._lock:
-                old, old_n = self._maps.pop(name, None), self._sizes.get(name, 0)
-                self._maps[name] = m
+                old = self._maps.pop(name, None)
+                self.used -= self._sizes.pop(name, 0)
+                self._maps[name] = (m, n)
                 self._sizes[name] = n
             stored = True
         except OSError as e:
@@ -143,27 +154,22 @@ class RamTier(Tier):
                     m.close()
                 self._free_bytes(n)
         if old is not None:
-            self._release(old, old_n)
+            _unmap(old[0])
         return name
 
     def read(self, location: str) -> memoryview:
         """A zero-copy view of the payload (valid while the row is referenced)."""
         with self._lock:
-            return memoryview(self._maps[location])[: self._sizes[location]]
+            m, n = self._maps[location]
+        return memoryview(m)[:n]
 
     def delete(self, location: str) -> None:
         """Unmap the payload; if a reader still holds a view, the pages go when the view does."""
         with self._lock:
-            m = self._maps.pop(location, None)
-            n = self._sizes.pop(location, 0)
-        if m is not None:
-            self._release(m, n)
-
-    def _release(self, m: mmap.mmap, n: int) -> None:
-        # While a reader still holds a view the map cannot close; it is freed with the last view.
-        with contextlib.suppress(BufferError):
-            m.close()
-        self._free_bytes(n)
+            entry = self._maps.pop(location, None)
+        self.forget(location)
+        if entry is not None:
+            _unmap(entry[0])
 
     def size(self, location: str) -> int | None:
         with self._lock:
@@ -175,8 +181,16 @@ class RamTier(Tier):
 
     def close(self) -> None:
         """Drop every payload (ram rows do not outlive the process)."""
-        for location in list(self.scan()):
+        with self._lock:
+            locations = list(self._maps)
+        for location in locations:
             self.delete(location)
+
+
+def _unmap(m: mmap.mmap) -> None:
+    # While a reader still holds a view the map cannot close; it is freed with the last view.
+    with contextlib.suppress(BufferError):
+        m.close()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -210,8 +224,10 @@ class FileTier(Tier):
             raise PermissionError(f"tier {name}: {self.root} is owned by uid {st.st_uid}, not us")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(self.root, 0o700)
-        # Sizes of the files we know, so a file removed behind our back still frees its quota.
-        self._sizes = self.scan()
+        self._prefix = os.path.join(str(self.root), "")
+        # The one scan of the directory at open: sizes of the files we know (so a file removed behind our
+        # back still frees its quota), and the temp files of writers that were running before we opened.
+        self._sizes, self._found_temps = self._scan()
         self.used = sum(self._sizes.values())
         self._lock_fd: int | None = None
 
@@ -227,13 +243,17 @@ class FileTier(Tier):
 
     def location_for(self, name: str) -> str:
         """Where a payload named `name` (its key hex) is published."""
-        return str(self.root / f"{name}.kvc")
+        return f"{self._prefix}{name}{_SUFFIX}"
 
-    def _check_location(self, location: str) -> Path:
-        path = Path(location)
-        if path.parent != self.root or not _PUBLISHED.match(path.name):
+    def location_parts(self) -> tuple[str, str]:
+        """What comes before and after a payload's name in its location."""
+        return self._prefix, _SUFFIX
+
+    def _check_location(self, location: str) -> str:
+        head, name = os.path.split(location)
+        if os.path.join(head, "") != self._prefix or not _PUBLISHED.match(name):
             raise ValueError(f"tier {self.name}: {location} is not a location of this tier")
-        return path
+        return location
 
     def publish(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool]) -> str | None:
         """Crash-safe publish: temp file, fdatasync, confirm the claim, rename into place, fsync the dir.
@@ -301,36 +321,54 @@ class FileTier(Tier):
 
     def delete(self, location: str) -> None:
         """Unlink the file (the index has already committed its removal)."""
-        path = self._check_location(location)
-        path.unlink(missing_ok=True)
-        with self._lock:
-            self.used -= self._sizes.pop(location, 0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._check_location(location))
+        self.forget(location)
+
+    def sync(self) -> None:
+        """Make the directory's changes durable (deletions: a published file is synced as it is renamed)."""
+        _fsync_dir(self.root)
 
     def size(self, location: str) -> int | None:
         try:
-            return self._check_location(location).stat().st_size
+            return os.stat(self._check_location(location)).st_size
         except (FileNotFoundError, ValueError):
             return None
 
     def scan(self) -> dict[str, int]:
-        out = {}
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[dict[str, int], list[Path]]:
+        """One pass over the directory: published payloads (location -> size) and temp files."""
+        published, temps = {}, []
         with os.scandir(self.root) as it:
             for entry in it:
                 if _PUBLISHED.match(entry.name):
                     try:
-                        out[str(self.root / entry.name)] = entry.stat().st_size
+                        published[self._prefix + entry.name] = entry.stat().st_size
                     except FileNotFoundError:
                         continue
-        return out
+                elif entry.name.startswith(_TEMP_PREFIX):
+                    temps.append(self.root / entry.name)
+        return published, temps
+
+    def sizes(self) -> dict[str, int]:
+        """The payloads this tier counts (location -> size): at open, what its one scan found."""
+        with self._lock:
+            return dict(self._sizes)
 
     def temps(self) -> list[Path]:
         """Temp files in the directory (a writer's, or a dead writer's leftovers)."""
         return [self.root / n for n in os.listdir(self.root) if n.startswith(_TEMP_PREFIX)]
 
     def cleanup_temps(self) -> int:
-        """Remove every temp file; only safe when no writer of ours is running (at open)."""
+        """Remove the temp files found when the tier was opened: writers dead before we took the directory.
+
+        Temp files that appear later belong to our own writers and are left alone.
+        """
         removed = 0
-        for path in self.temps():
+        found, self._found_temps = self._found_temps, []
+        for path in found:
             try:
                 path.unlink()
                 removed += 1

@@ -6,12 +6,15 @@ child.py loop  DATA RF_ROOT SEED         save forever (async and sync, every tie
 child.py save  DATA RF_ROOT close|exit   save one checkpoint per tier, print "<tier> <key hex>", then
                                         close the store, or exit without closing it.
 child.py hold  DATA RF_ROOT              open the store, print "open", keep it open until stdin closes.
+child.py gcdie DATA RF_ROOT N            save N checkpoints to disk, print "gc", run a gc and SIGKILL
+                                        itself right after the gc deletes its first file.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -97,11 +100,30 @@ def hold(data: str, rf_root: str) -> None:
     store.close()
 
 
+def gc_die(data: str, rf_root: str, n: int) -> None:
+    store = open_store(data, rf_root)
+    for i in range(n):
+        ckpt = checkpoint(f"doomed {i}".encode(), bytes(100))
+        assert store.save(ckpt, "disk", sync=True, timeout=30).status == "published"
+    disk = store._tiers["disk"]
+    delete = disk.delete
+
+    def delete_then_die(location: str) -> None:
+        delete(location)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    disk.delete = delete_then_die  # type: ignore[method-assign]
+    print("gc", flush=True)
+    store.gc()
+
+
 if __name__ == "__main__":
     mode, data, rf_root, *rest = sys.argv[1:]
     if mode == "loop":
         loop(data, rf_root, int(rest[0]))
     elif mode == "save":
         save_each(data, rf_root, rest[0])
+    elif mode == "gcdie":
+        gc_die(data, rf_root, int(rest[0]))
     else:
         hold(data, rf_root)

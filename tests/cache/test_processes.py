@@ -1,4 +1,5 @@
-"""Real separate processes: SIGKILL at random moments (acceptance 2) and restarts (acceptance 3)."""
+"""Real separate processes: SIGKILL at random moments (acceptance 2), restarts (acceptance 3), and a kill
+between a gc's commit and its file deletions."""
 
 from __future__ import annotations
 
@@ -90,6 +91,22 @@ def test_sigkill_at_random_moments_leaves_a_consistent_cache(tmp_path: Path, shm
     assert durable_checked > 0
     # The kills landed inside publishes, not only between them.
     assert repairs["temps_removed"] + repairs["reservations_cleared"] > 0
+
+
+def test_a_gc_killed_before_its_deletions_leaves_no_row_and_no_file(tmp_path: Path, shm_root: Path) -> None:
+    """The rows were gone when the process died, their files not: the next open deletes those files (their
+    gone marks say so) instead of adopting them back."""
+    data, rf_root = tmp_path / "data", shm_root / "rf"
+    proc = spawn("gcdie", str(data), str(rf_root), "10")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -9, err.decode()
+    assert complete_lines(out) == ["gc"]
+    assert len(list((data / "kvc").glob("*.kvc"))) == 9  # one deleted before the kill
+    with child.open_store(str(data), str(rf_root)) as store:
+        report = store.last_reconcile
+        assert report is not None and (report.gone_deleted, report.adopted) == (9, 0)
+        assert store.dump() == [] and store.check() == []
+    assert list((data / "kvc").glob("*.kvc")) == []
 
 
 @pytest.mark.parametrize("how", ["close", "exit"])

@@ -1,5 +1,8 @@
-"""Stateful property test: random saves, lookups, restores (with held references), gc, evict_bytes and
-restarts, checked step by step against a model of what an LRU cache with per-tier quotas must hold."""
+"""Stateful property test: random saves, lookups (exact and by prefix), restores (with held references),
+gc, evict_bytes and restarts, checked step by step against a model of what an LRU cache with per-tier
+quotas must hold. Evictions run in batches of two rows and writes fold one restore's touch each, so
+every gc and most evictions take several transactions and touches wait in memory across writes; `check()`
+verifies the index's LRU and alias structures after every step."""
 
 from __future__ import annotations
 
@@ -12,23 +15,41 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from barreld.cache import CacheStore, TierConfig, encoded_size
-from barreld.names import TIER_NAMES
+from barreld.cache import CacheStore, Checkpoint, TierConfig, encoded_size
+from barreld.cache import index as index_mod
+from barreld.names import TIER_NAMES, TIER_RANK
 
 from .conftest import SCHEME, make_ckpt
 
 QUOTAS = {"ram": 2600, "ram_file": 3600, "disk": 5000}
-# Encoded sizes come out near 500, 780, 1380 and 2980 bytes: several fit per tier, the largest not in ram.
+# Encoded sizes (two prefix aliases each) come out near 740, 990, 1630 and 3230 bytes: several fit per
+# tier, the largest not in ram.
 STATE_LENS = [40, 300, 900, 2500]
+
+
+# Prefixes: b"prompt" of every row (6 tokens), b"prompt " of rows 0-9 (7), b"prompt 1" of rows 10-15 (8),
+# which is also row 1's own prompt: an exact row wins over the aliases.
+PROBES = [b"prompt", b"prompt ", b"prompt 1", b"prompt 2", b"prompt 12"]
 
 
 def rendered(idx: int) -> bytes:
     return f"prompt {idx}".encode()
 
 
+def aliases(text: bytes) -> tuple[tuple[bytes, int], ...]:
+    return ((SCHEME.key(text[:6]), 6), (SCHEME.key(text[:-1]), len(text) - 1))
+
+
+def checkpoint(idx: int, state_len: int) -> Checkpoint:
+    text = rendered(idx)
+    return make_ckpt(text, state_len, prefixes=aliases(text))
+
+
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.batches = index_mod.EVICT_BATCH, index_mod.FOLD_BATCH
+        index_mod.EVICT_BATCH, index_mod.FOLD_BATCH = 2, 1
         self.root = Path(tempfile.mkdtemp(prefix="barrel-prop-", dir="/dev/shm"))
         self.store = self._open()
         self.tick = 0
@@ -58,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(idx=st.integers(0, 15), state_len=st.sampled_from(STATE_LENS), tier=st.sampled_from(TIER_NAMES))
     def save(self, idx: int, state_len: int, tier: str) -> None:
-        ckpt = make_ckpt(rendered(idx), state_len)
+        ckpt = checkpoint(idx, state_len)
         size = encoded_size(ckpt)
         victims: list[bytes] = []
         if ckpt.key in self.rows:
@@ -81,19 +102,39 @@ class CacheMachine(RuleBasedStateMachine):
             self.rows[ckpt.key] = (tier, size, 0, state_len)
             self._use(ckpt.key)
 
+    def _expected_hit(self, probe: bytes) -> tuple[bytes, int] | None:
+        """What a lookup of `probe` must find: the exact row if there is one, else the best row holding
+        the prefix (fastest tier, then fewest tokens, then lowest key), as (row key, tokens kept)."""
+        key = SCHEME.key(probe)
+        if key in self.rows:
+            return key, len(probe)
+        texts = {SCHEME.key(rendered(i)): rendered(i) for i in range(16)}
+        holders = [
+            (TIER_RANK[self.rows[k][0]], len(texts[k]), k, n)
+            for k in self.rows
+            for alias, n in aliases(texts[k])
+            if alias == key
+        ]
+        return min(holders)[2:] if holders else None
+
     @rule(idx=st.integers(0, 15))
     def restore(self, idx: int) -> None:
         key = SCHEME.key(rendered(idx))
         hit = self.store.lookup(key)
-        if key not in self.rows:
-            assert hit is None
+        if key not in self.rows:  # nothing, or a longer row holding this prompt as a prefix
+            assert (None if hit is None else (hit.row_key, hit.n_tokens)) == self._expected_hit(rendered(idx))
             return
         tier, _, _, state_len = self.rows[key]
         assert hit is not None and (hit.row_key, hit.tier) == (key, tier)
         with self.store.restore(hit) as got:
             assert got is not None
-            assert bytes(got.state) == make_ckpt(rendered(idx), state_len).state
+            assert bytes(got.state) == checkpoint(idx, state_len).state
         self._use(key)
+
+    @rule(probe=st.sampled_from(PROBES))
+    def lookup_prefix(self, probe: bytes) -> None:
+        hit = self.store.lookup(SCHEME.key(probe))
+        assert (None if hit is None else (hit.row_key, hit.n_tokens)) == self._expected_hit(probe)
 
     @precondition(lambda self: len(self.pins) < 3)
     @rule(idx=st.integers(0, 15))
@@ -163,6 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
         for stack in self.pins.values():
             stack.close()
         self.store.close()
+        index_mod.EVICT_BATCH, index_mod.FOLD_BATCH = self.batches
         shutil.rmtree(self.root, ignore_errors=True)
 
 

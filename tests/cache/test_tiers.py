@@ -92,12 +92,15 @@ def test_injected_fault_in_ram_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ram.scan() == {} and ram.used == 0
 
 
-def test_temps_are_found_and_cleaned(tier: FileTier) -> None:
+def test_temps_found_at_open_are_cleaned(tier: FileTier) -> None:
     (tier.root / ".tmp-1-abc").write_bytes(b"x")
     (tier.root / "README").write_bytes(b"not ours")
     assert len(tier.temps()) == 1
-    assert tier.cleanup_temps() == 1
-    assert tier.temps() == [] and tier.scan() == {}
+    assert tier.cleanup_temps() == 0  # appeared after this tier opened: a live writer's, left alone
+    reopened = FileTier(tier.name, tier.root, tier.quota)  # the scan at open finds it
+    (tier.root / ".tmp-2-live").write_bytes(b"y")
+    assert reopened.cleanup_temps() == 1
+    assert [p.name for p in reopened.temps()] == [".tmp-2-live"] and reopened.scan() == {}
     assert (tier.root / "README").exists()  # foreign files are left alone
 
 
