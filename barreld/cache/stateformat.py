@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from enum import StrEnum
 
 import numpy as np
@@ -746,3 +746,36 @@ def self_check(buf: Buffer, spec: StateSpec) -> StateShape:
         raise StateFormatError("unknown llama.cpp sequence-state layout: taken apart and assembled again, "
                                "the state is not the same bytes")
     return shape
+
+
+def shape_to_json(shape: StateShape) -> dict:
+    """A shape as plain JSON values, so a stored row can be assembled without the model loaded."""
+    def one(s: KvShape | RecurrentShape) -> list:
+        if isinstance(s, KvShape):
+            return ["kv", s.n_stream, int(s.v_trans), s.cell_ext, [list(astuple(layer)) for layer in s.layers]]
+        return ["recurrent", *astuple(s)]
+
+    return {"sections": [str(k) for k in shape.spec.sections], "cell_ext": shape.spec.cell_ext,
+            "shapes": [one(s) for s in shape.sections]}
+
+
+def shape_from_json(data: object) -> StateShape:
+    """The shape `shape_to_json` wrote; StateFormatError for anything else."""
+    try:
+        spec = StateSpec(tuple(SectionKind(k) for k in data["sections"]), int(data["cell_ext"]))
+        shapes: list[KvShape | RecurrentShape] = []
+        for s in data["shapes"]:
+            if s[0] == "kv":
+                layers = tuple(LayerShape(*(int(x) for x in layer)) for layer in s[4])
+                shapes.append(KvShape(int(s[1]), bool(s[2]), int(s[3]), layers))
+            elif s[0] == "recurrent":
+                shapes.append(RecurrentShape(*(int(x) for x in s[1:7])))
+            else:
+                raise ValueError(f"unknown section shape {s[0]!r}")
+        kinds_match = all(isinstance(x, KvShape) == (k is not SectionKind.RECURRENT)
+                          for k, x in zip(spec.sections, shapes, strict=True))
+        if not kinds_match:
+            raise ValueError("section shapes do not match the section kinds")
+        return StateShape(spec, tuple(shapes))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise StateFormatError(f"unreadable state shape: {e}") from None

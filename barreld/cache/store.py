@@ -7,10 +7,17 @@ directory -> fdatasync -> confirm the reservation is still ours -> rename into p
 directory -> mark the row available, durably. A crash anywhere leaves a state `open()` reconciles: a
 reserved row is cleared, a temp file removed, the file of a row removed before the crash deleted, a
 complete published file without a row verified and adopted.
+
+With `block_tokens` set, a checkpoint that carries its model's state shape is stored as a chain of blocks
+(`barreld.cache.blocks`): the reservation takes a reference on each block, the blocks no published row has in
+place are written first, and the row's own file last, so no row is ever published before the blocks it
+names. A block is deleted with its last row; `open()` drops rows whose blocks are missing and deletes blocks
+no row names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -23,13 +30,15 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from barreld.names import TIER_NAMES
+from barreld.names import TIER_NAMES, TIER_RANK
 
+from . import blocks
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
 from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Row, RowHead, valid_aliases
-from .tiers import FileTier, RamTier, Tier, lock_file
+from .stateformat import StateFormatError
+from .tiers import BLOCK_SUFFIX, FileTier, RamTier, Tier, lock_file, thread_buffer
 from .writer import WriterPool
 
 log = logging.getLogger("barreld.cache")
@@ -71,6 +80,11 @@ class ReconcileReport:
     duplicates_removed: int = 0
     over_quota_removed: int = 0
     gone_deleted: int = 0  # files of rows removed before a crash cut their deletion short
+    blocks_missing: int = 0  # rows dropped because a block they name is not in place
+    orphan_blocks_removed: int = 0  # block files no row names
+
+
+_read_buffers = threading.local()
 
 
 class CacheStore:
@@ -87,12 +101,16 @@ class CacheStore:
         *,
         writers: int = 2,
         queue_size: int = 16,
+        block_tokens: int = 0,
     ) -> None:
         unknown = set(tiers) - set(TIER_NAMES)
         if unknown:
             raise ValueError(
                 f"unknown tier(s) {', '.join(sorted(unknown))}; tiers are {', '.join(TIER_NAMES)}"
             )
+        if block_tokens < 0:
+            raise ValueError(f"block_tokens must be 0 (whole states) or more, not {block_tokens}")
+        self.block_tokens = block_tokens
         self.data_dir = Path(data_dir).absolute()
         self._configs = {name: tiers.get(name, TierConfig(0)) for name in TIER_NAMES}
         self._writers = writers
@@ -128,7 +146,8 @@ class CacheStore:
                 tier.lock()
             quotas = {name: t.quota for name, t in self._tiers.items()}
             self._index = Index(
-                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payloads
+                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payloads,
+                block_location=lambda tier, key: self._tiers[tier].block_location(key.hex()),
             )
             self.last_reconcile = self._reconcile()
             log.info(
@@ -217,7 +236,9 @@ class CacheStore:
         for tier in self._file_tiers():
             orphans = stored[tier.name]
             for location in sorted(orphans.keys() - kept):
-                self._adopt(tier, location, orphans[location], report)
+                if not location.endswith(BLOCK_SUFFIX):
+                    self._adopt(tier, location, orphans[location], report)
+        self._remove_orphan_blocks(stored, report)
         for name, tier in self._tiers.items():
             used, _ = index.usage(name)
             if used > tier.quota:  # the quota was lowered since the last run
@@ -233,6 +254,9 @@ class CacheStore:
             report.ram_rows_dropped += 1
         elif row.status == RESERVED:  # the writer is dead; a file it published before dying is adopted
             report.reservations_cleared += 1
+        elif size == row.size:  # its own file is in place: a block it names is not
+            log.warning("dropping cache row %s (%s): a block it names is missing", row.key.hex(), row.tier)
+            report.blocks_missing += 1
         else:
             log.warning(
                 "dropping cache row %s (%s): its file %s",
@@ -259,6 +283,17 @@ class CacheStore:
                 tier.sync()  # the deletions last before their marks go
         index.clear_gone([key for key, _, _ in marks])
 
+    def _remove_orphan_blocks(self, stored: dict[str, dict[str, int]], report: ReconcileReport) -> None:
+        """Delete the block files no row names (their rows were dropped, or their writer died first)."""
+        named = {self._tiers[TIER_NAMES[bid[0]]].block_location(bid[1:].hex()) for bid in self._require_open().blocks()}
+        for tier in self._file_tiers():
+            orphans = [loc for loc in stored[tier.name] if loc.endswith(BLOCK_SUFFIX) and loc not in named]
+            for location in orphans:
+                tier.delete(location)
+            if orphans:
+                tier.sync()
+            report.orphan_blocks_removed += len(orphans)
+
     def _adopt(self, tier: FileTier, location: str, size: int, report: ReconcileReport) -> None:
         """Index a complete file that has no row, after verifying every byte of it; else delete it."""
         index = self._require_open()
@@ -267,6 +302,10 @@ class CacheStore:
             ckpt.check_key()
             if Path(location).name != f"{ckpt.key.hex()}.kvc":
                 raise CorruptCheckpoint("file name does not match the key of its contents")
+            chain = ckpt.chain
+            if chain is not None and any(tier.size(tier.block_location(k.hex())) != chain.block_size
+                                         for k in chain.keys):
+                raise CorruptCheckpoint("a block it names is missing")
         except (CorruptCheckpoint, OSError) as e:
             log.warning("removing unreadable cache file %s: %s", location, e)
             tier.delete(location)
@@ -275,7 +314,9 @@ class CacheStore:
             return
         with index.write() as b:
             duplicate = b.get(ckpt.key) is not None  # the key already lives in the other file tier
-            fits = not duplicate and index.usage(tier.name)[0] + size <= tier.quota
+            new_blocks = [k for k in (chain.keys if chain else ()) if b.block(tier.name, k) is None]
+            added = size + len(new_blocks) * (chain.block_size if chain else 0)
+            fits = not duplicate and index.usage(tier.name)[0] + added <= tier.quota
             if fits:
                 b.put(
                     Row(
@@ -293,7 +334,10 @@ class CacheStore:
                         aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
                         memory=ckpt.memory,
                         frontier=ckpt.frontier_tokens,
-                    )
+                        blocks=chain.keys if chain is not None else (),
+                        block_size=chain.block_size if chain is not None else 0,
+                    ),
+                    written=True,
                 )
         if fits:
             report.adopted += 1
@@ -333,12 +377,12 @@ class CacheStore:
             if key in self._pending or index.get(key) is not None:
                 self.counters.count("saves_duplicate")
                 return SaveOutcome("duplicate", key, tier)
-            if size > self._tiers[tier].quota:
+            if size > self._tiers[tier].quota and not self._splits(ckpt):
                 self.counters.count("saves_dropped")
                 return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
             try:
                 assert self._pool is not None
-                fut = self._pool.submit(lambda: self._publish(ckpt, tier, size), urgent=sync)
+                fut = self._pool.submit(lambda: self._publish(ckpt, tier), urgent=sync)
             except WriterQueueFull as e:
                 self.counters.count("saves_dropped")
                 return SaveOutcome("dropped", key, tier, detail=str(e))
@@ -361,12 +405,31 @@ class CacheStore:
         with self._plock:
             return self._pending.get(key)
 
-    def _publish(self, ckpt: Checkpoint, tier_name: str, size: int) -> SaveOutcome:
+    def _splits(self, ckpt: Checkpoint) -> bool:
+        return self.block_tokens > 0 and ckpt.layout is not None
+
+    def _as_blocks(self, ckpt: Checkpoint) -> tuple[Checkpoint, dict[bytes, bytearray]]:
+        """The checkpoint as it is stored: a row naming its blocks (with their payloads), else whole."""
+        if not self._splits(ckpt):
+            return replace(ckpt, layout=None), {}
+        try:
+            split = blocks.split(ckpt, self.block_tokens)
+        except StateFormatError as e:
+            log.warning("a state of %s could not be cut into blocks (%s); it is stored whole", ckpt.model, e)
+            split = None
+        if split is None:
+            return replace(ckpt, layout=None), {}
+        return split[0], dict(split[1])
+
+    def _publish(self, ckpt: Checkpoint, tier_name: str) -> SaveOutcome:
         """The publish protocol, run on a writer thread."""
         t0 = time.perf_counter_ns()
         index = self._require_open()
         tier = self._tiers[tier_name]
         key = ckpt.key
+        ckpt, payloads = self._as_blocks(ckpt)
+        chain = ckpt.chain
+        size = encoded_size(ckpt)
         try:
             res = index.reserve(
                 key,
@@ -378,6 +441,8 @@ class CacheStore:
                 save_reason=ckpt.save_reason,
                 memory=ckpt.memory,
                 frontier=ckpt.frontier_tokens,
+                blocks=chain.keys if chain is not None else (),
+                block_size=chain.block_size if chain is not None else 0,
             )
         except IndexWriteError as e:
             return self._failed(key, tier_name, e)
@@ -391,6 +456,7 @@ class CacheStore:
             return SaveOutcome("dropped", key, tier_name, detail=res.status)
         index.settle(key)  # an earlier file of this key left to delete must not take the new one with it
         try:
+            self._write_blocks(tier, res.unwritten, payloads, lambda: index.holds(key, res.token))
             location = tier.put(key.hex(), encode_parts(ckpt), lambda: index.holds(key, res.token))
         except TierWriteError as e:
             self._abandon(key, res.token)
@@ -412,6 +478,16 @@ class CacheStore:
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
         return SaveOutcome("published", key, tier_name)
+
+    def _write_blocks(self, tier: Tier, keys: tuple[bytes, ...], payloads: dict[bytes, bytearray],
+                      claim_ok: Callable[[], bool]) -> None:
+        """Store the blocks no published row has in place yet, before the row that names them. A block is
+        content-addressed, so a writer racing another over the same block writes the same bytes."""
+        index = self._require_open()
+        for key in keys:
+            index.settle(bytes((TIER_RANK[tier.name],)) + key)  # a deletion of its last copy is done first
+            if tier.put(key.hex(), blocks.encode_block(key, payloads[key]), claim_ok, block=True) is None:
+                raise TierWriteError(tier.name, 0, "reservation lost while writing its blocks")
 
     def _failed(self, key: bytes, tier_name: str, e: Exception) -> SaveOutcome:
         """A save that storage refused (a full or failing tier or index): counted, logged, never raised,
@@ -466,8 +542,11 @@ class CacheStore:
             assert row.location is not None
             ckpt = decode(self._tiers[row.tier].read(row.location))
             ckpt.check_key()
-            if ckpt.key != row.key or len(ckpt.tokens) != row.tokens:
+            chain = ckpt.chain
+            if ckpt.key != row.key or len(ckpt.tokens) != row.tokens or (chain.keys if chain else ()) != row.blocks:
                 raise CorruptCheckpoint("checkpoint does not match its index row")
+            if chain is not None:
+                ckpt = blocks.assemble(ckpt, self._read_blocks(row))
         except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
             log.warning("dropping cache row %s (%s): %s", row.key.hex(), row.tier, e)
             try:
@@ -479,6 +558,29 @@ class CacheStore:
                 self.counters.count("corrupt_files")
             return None
         return ckpt
+
+    def _read_blocks(self, row: Row) -> list[memoryview]:
+        """The verified payloads of a row's blocks, read into this thread's reused buffer. A block that is
+        missing or fails verification is counted and marked for the next save that names it to write again;
+        the row is not assembled (CorruptCheckpoint)."""
+        tier = self._tiers[row.tier]
+        buf = memoryview(thread_buffer(_read_buffers, len(row.blocks) * row.block_size))
+        payloads = []
+        for i, key in enumerate(row.blocks):
+            location = tier.block_location(key.hex())
+            try:
+                if isinstance(tier, FileTier):
+                    view = buf[i * row.block_size : (i + 1) * row.block_size]
+                    view = view[: tier.read_into(location, view)]
+                else:
+                    view = tier.read(location)
+                payloads.append(blocks.decode_block(view, key))
+            except (CorruptCheckpoint, OSError, KeyError) as e:
+                self.counters.count("corrupt_blocks")
+                with contextlib.suppress(IndexWriteError):
+                    self._require_open().block_corrupt(row.tier, key)
+                raise CorruptCheckpoint(f"block {i} of {len(row.blocks)}: {e}") from e
+        return payloads
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -576,9 +678,33 @@ class CacheStore:
         stored = {name: tier.scan() for name, tier in self._tiers.items()}
         problems = index.check()
         problems += [p for r in rows if (p := self._row_problem(r, stored, in_flight)) is not None]
+        block_files = self._block_problems(stored, problems, bool(in_flight))
         for name, tier in self._tiers.items():
-            problems += self._tier_problems(tier, [r for r in rows if r.tier == name], stored[name], in_flight)
+            rest = {loc: n for loc, n in stored[name].items() if loc not in block_files}
+            problems += self._tier_problems(tier, [r for r in rows if r.tier == name], rest, in_flight)
+            if not in_flight and tier.used != sum(stored[name].values()):
+                problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored[name].values())}")
         return problems
+
+    def _block_problems(self, stored: dict[str, dict[str, int]], problems: list[str], busy: bool) -> set[str]:
+        """Block files against block entries: each entry in place (once written), of its size; no block file
+        without an entry (unless saves are in flight). Returns the locations of every block file."""
+        entries = {}
+        for bid, (_, size, written) in self._require_open().blocks().items():
+            tier = self._tiers[TIER_NAMES[bid[0]]]
+            entries[(tier.name, tier.block_location(bid[1:].hex()))] = (size, written)
+        files = set()
+        for name, found in stored.items():
+            for location in found:
+                if location.endswith(BLOCK_SUFFIX):
+                    files.add(location)
+                    if (name, location) not in entries and not busy:
+                        problems.append(f"{name}: block {location} is named by no row")
+        for (name, location), (size, written) in sorted(entries.items()):
+            n = stored[name].get(location)
+            if (written or n is not None) and n != size and not (busy and n is None):
+                problems.append(f"{name}: block {location} is {n} bytes, its entry says {size}")
+        return files
 
     def _row_problem(self, r: Row, stored: dict[str, dict[str, int]], in_flight: set[str]) -> str | None:
         name = r.key.hex()
@@ -604,9 +730,6 @@ class CacheStore:
         for location in sorted(stored.keys() - indexed):
             if Path(location).stem not in in_flight:
                 problems.append(f"{name}: payload {location} has no row")
-        if not in_flight:
-            if tier.used != sum(stored.values()):
-                problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored.values())}")
-            if isinstance(tier, FileTier) and tier.temps():
-                problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
+        if not in_flight and isinstance(tier, FileTier) and tier.temps():
+            problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
         return problems
