@@ -618,6 +618,7 @@ class CacheStore:
         rows.sort(key=lambda r: r.last_used_ns, reverse=True)
         return [
             {
+                **self._sharing(r),
                 "key": r.key.hex(),
                 "model": r.model,
                 "tier": r.tier,
@@ -637,13 +638,28 @@ class CacheStore:
             for r in rows
         ]
 
+    def _sharing(self, row: Row) -> dict:
+        """A row's blocks, the bytes only it holds (its own file and the blocks no other row names) and the
+        bytes of blocks it shares with other rows."""
+        refs = self._require_open().block_refs(row.tier, row.blocks)
+        own = sum(1 for n in refs if n == 1) * row.block_size
+        return {"blocks": len(row.blocks), "own_bytes": row.size + own,
+                "shared_bytes": (len(refs) * row.block_size) - own}
+
     def stats(self) -> dict:
-        """The contract's `cache stats` shape: counters, and per-tier bytes/quota/rows (reserved included)."""
+        """The contract's `cache stats` shape: counters, and per tier bytes (= stored_bytes, what the tier
+        holds), quota, rows (reserved included), logical_bytes (what the rows would take with no block
+        shared) and their ratio."""
         index = self._require_open()
+        logical = dict.fromkeys(self._tiers, 0)
+        for row in index.rows():
+            logical[row.tier] = logical.get(row.tier, 0) + row.stored_bytes
         tiers = {}
         for name, tier in self._tiers.items():
             used, rows = index.usage(name)
-            tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows}
+            ratio = logical[name] / used if used else 1.0
+            tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows, "stored_bytes": used,
+                           "logical_bytes": logical[name], "dedup_ratio": ratio}
         return {"counters": self.counters.snapshot(), "tiers": tiers}
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> tuple[int, list[str]]:
