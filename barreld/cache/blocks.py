@@ -33,6 +33,8 @@ from .checkpoint import Buffer, Chain, Checkpoint
 from .errors import CorruptCheckpoint
 from .tiers import thread_buffer
 
+DEFAULT_BLOCK_TOKENS = 256
+"""Tokens per block when the operator sets none (see bench/RESULTS.md for the measurement behind it)."""
 BLOCK_MAGIC = b"BRLBLK\r\n"
 BLOCK_FORMAT = 1
 _HEAD = struct.Struct("<8sII32sQ")

@@ -994,7 +994,7 @@ class Index:
                         b.remove(row)
                 removed += b.removed
                 evicted += len(victims)
-                freed += sum(r.size for r in victims)
+                freed -= sum(size for size, _ in b.deltas.values())  # rows and the blocks they took with them
                 if len(victims) < EVICT_BATCH:
                     break
         finally:
