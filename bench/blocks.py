@@ -18,8 +18,11 @@ of the tier is evicted from the page cache with posix_fadvise DONTNEED before th
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,7 +75,8 @@ class Trie:
 
 def run_trace(name: str, prompts, configs: tuple[int, ...], tok: Tokenizer) -> dict:
     """Sends each prompt (from the `prompts` generator, which is told each reply) to every daemon."""
-    out = {"name": name, "configs": configs, "stored": {b: [] for b in configs}, "distinct": [], "tokens": []}
+    out = {"name": name, "configs": list(configs), "stored": {str(b): [] for b in configs}, "distinct": [],
+           "tokens": []}
     trie = Trie()
     with_daemons = [daemon(b) for b in configs]
     for d in with_daemons:
@@ -89,11 +93,11 @@ def run_trace(name: str, prompts, configs: tuple[int, ...], tok: Tokenizer) -> d
             for b, d in zip(configs, with_daemons, strict=True):
                 c = d.complete(prompt, max_tokens=24)
                 reply = reply if reply is not None else reply_text(c.text)
-                out["stored"][b].append(settle(d))
+                out["stored"][str(b)].append(settle(d))
             out["distinct"].append(trie.nodes)
             out["tokens"].append(c.prompt_tokens)
             progress(f"  {name} request {len(out['distinct']):2d}: {c.prompt_tokens} tokens, distinct {trie.nodes}, "
-                     + ", ".join(f"B={b}: {out['stored'][b][-1] / 1e6:.1f} MB" for b in configs))
+                     + ", ".join(f"B={b}: {out['stored'][str(b)][-1] / 1e6:.1f} MB" for b in configs))
     finally:
         for d in with_daemons:
             d.stop()
@@ -159,6 +163,39 @@ def ttft(tok: Tokenizer, configs: tuple[int, ...], reps: int) -> dict[tuple[str,
     return out
 
 
+def evict_256m() -> dict:
+    """`evict-bytes 256M` on a store of rows sharing a prefix (a ram_file tier, SmolLM2-sized cells): 30 rows
+    of 512..4,224 tokens that share their first 2,048 tokens (as a system prompt and documents) and go their
+    own way after. What the store frees, in stored bytes, and that it is consistent after (no shared block
+    went before its last row)."""
+    from barreld.cache import CacheStore, Checkpoint, TierConfig, stateformat
+    from bench.cache_core import SCHEME
+    from tests.cache import synthstate
+
+    layer = synthstate.Layer(1, 11_520, 1, 11_520)  # 23,040 bytes of K and V per cell, as SmolLM2's 23,052
+    root = Path(tempfile.mkdtemp(prefix="barrel-blocks-", dir="/dev/shm"))
+    store = CacheStore(root / "data", {"ram_file": TierConfig(4 << 30, root / "rf")}, block_tokens=256).open()
+    try:
+        for i in range(30):
+            n = 512 + 128 * i
+            tokens = list(range(min(n, 2048))) + [10_000 + i] * max(0, n - 2048)
+            kv = synthstate.Kv("attention", 1, False, 0, (layer,), tuple(range(n)), 1)
+            state = synthstate.build(0, [kv]).data
+            ckpt = Checkpoint.build(SCHEME, "bench", f"row {i}".encode(), tokens, "cold", state)
+            ckpt.layout = stateformat.parse(state, stateformat.StateSpec.for_memory("full")).shape
+            store.save(ckpt, "ram_file", sync=True)
+        before = store.stats()["tiers"]["ram_file"]
+        rows, freed = store.evict_bytes(256 << 20)
+        after = store.stats()["tiers"]["ram_file"]
+        problems = store.check()
+        return {"rows_before": before["rows"], "stored_before": before["bytes"], "logical_before":
+                before["logical_bytes"], "evicted": rows, "freed": freed, "stored_after": after["bytes"],
+                "consistent": not problems}
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def plot(traces: list[dict]) -> None:
     import matplotlib
 
@@ -169,7 +206,7 @@ def plot(traces: list[dict]) -> None:
     for ax, t in zip(axes, traces, strict=True):
         x = range(1, len(t["distinct"]) + 1)
         for b in t["configs"]:
-            ax.plot(x, [v / 1e6 for v in t["stored"][b]], marker="o",
+            ax.plot(x, [v / 1e6 for v in t["stored"][str(b)]], marker="o",
                     label="whole states (block_tokens 0)" if b == 0 else f"block_tokens {b}")
         ax.plot(x, [n * STATE_BYTES_PER_TOKEN / 1e6 for n in t["distinct"]], "k--",
                 label="one state of the distinct prompt tokens")
@@ -181,13 +218,13 @@ def plot(traces: list[dict]) -> None:
     fig.savefig(PLOT, dpi=100)
 
 
-def report(traces: list[dict], times: dict, wall: float) -> str:
+def report(traces: list[dict], times: dict, raw_evict: dict, wall: float) -> str:
     storage = Table("Bytes stored per distinct prompt token, against one state's bytes per token (23,052)",
                     ["trace", "requests", "prompt tokens", "distinct", "block_tokens", "stored", "per distinct token",
                      "x one state"])
     for t in traces:
         for b in t["configs"]:
-            stored = t["stored"][b][-1]
+            stored = t["stored"][str(b)][-1]
             per = stored / t["distinct"][-1]
             storage.add(t["name"], len(t["distinct"]), sum(t["tokens"]), t["distinct"][-1], b,
                         f"{stored / 1e6:.1f} MB", f"{per / 1e3:.1f} KB", f"{per / STATE_BYTES_PER_TOKEN:.2f}")
@@ -197,8 +234,13 @@ def report(traces: list[dict], times: dict, wall: float) -> str:
     for case in dict.fromkeys(k[0] for k in times):
         meds = {b: median(times[(case, b)]) for b in configs}
         warm.add(case, *[f"{meds[b]:.0f}" for b in configs], *[f"{meds[b] / meds[0]:.2f}" for b in configs if b])
+    e = raw_evict
+    evict = (f"**evict-bytes 256M** on {e['rows_before']} rows sharing blocks ({e['stored_before'] / 2**20:.0f} MiB "
+             f"stored, {e['logical_before'] / 2**20:.0f} MiB logical): {e['evicted']} rows evicted, "
+             f"{e['freed'] / 2**20:.0f} MiB freed (stored bytes; the tier went from {e['stored_before'] / 2**20:.0f} "
+             f"to {e['stored_after'] / 2**20:.0f} MiB), index and files consistent after: {e['consistent']}.\n")
     m = machine()
-    return (f"![Stored bytes per request](blocks.png)\n\n{storage.markdown()}\n{warm.markdown()}\n"
+    return (f"![Stored bytes per request](blocks.png)\n\n{storage.markdown()}\n{warm.markdown()}\n{evict}\n"
             f"Run by `python -m bench.blocks` in {wall / 60:.1f} min on {m.get('cpu', '?')}; stride "
             f"(boundary_align_tokens) {STRIDE}, n_batch 512 (prefill chunk 128), disk tier for storage.\n")
 
@@ -208,17 +250,34 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--configs", default="0,128,256")
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--only", choices=("storage", "ttft"), help="measure one part only (with --save, to --load later)")
+    ap.add_argument("--save", type=Path, help="also write the raw figures to this JSON file")
+    ap.add_argument("--load", type=Path, action="append", default=[],
+                    help="take storage and/or TTFT figures from a --save file instead of measuring them")
     args = ap.parse_args()
     configs = tuple(int(b) for b in args.configs.split(","))
     t0 = time.monotonic()
+    raw: dict = {}
+    for path in args.load:
+        raw.update(json.loads(path.read_text()))
     tok = Tokenizer()
-    traces = [
-        run_trace("agent", agent_prompts(tok, 2, AGENT_STEPS[:3] if args.quick else AGENT_STEPS), configs, tok),
-        run_trace("chat", chat_prompts(tok, 4 if args.quick else 12), configs, tok),
-    ]
-    times = ttft(tok, (0, 256), 2 if args.quick else 5)
-    plot(traces)
-    text = report(traces, times, time.monotonic() - t0)
+    if "traces" not in raw and args.only != "ttft":
+        raw["traces"] = [
+            run_trace("agent", agent_prompts(tok, 2, AGENT_STEPS[:3] if args.quick else AGENT_STEPS), configs, tok),
+            run_trace("chat", chat_prompts(tok, 4 if args.quick else 12), configs, tok),
+        ]
+    if "ttft" not in raw and args.only != "storage":
+        raw["ttft"] = [[case, b, v] for (case, b), v in ttft(tok, (0, 256), 2 if args.quick else 5).items()]
+    raw["wall_s"] = raw.get("wall_s", 0) + time.monotonic() - t0
+    if args.save:
+        args.save.write_text(json.dumps(raw))
+    if "evict" not in raw and args.only != "storage" and args.only != "ttft":
+        raw["evict"] = evict_256m()
+    if args.only:
+        return
+    times = {(case, b): v for case, b, v in raw["ttft"]}
+    plot(raw["traces"])
+    text = report(raw["traces"], times, raw["evict"], raw["wall_s"])
     print(text)
     if args.write_results:
         put_section(RESULTS, SECTION, text)

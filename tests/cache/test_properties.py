@@ -80,21 +80,26 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(idx=st.integers(0, 15), state_len=st.sampled_from(STATE_LENS), tier=st.sampled_from(TIER_NAMES))
     def save(self, idx: int, state_len: int, tier: str) -> None:
-        ckpt = checkpoint(idx, state_len)
+        self._save(checkpoint(idx, state_len), state_len, tier)
+
+    def _expect(self, ckpt: Checkpoint, tier: str) -> tuple[str, list[bytes], int]:
+        """What a save must do: its outcome, the rows it evicts, the bytes its row takes."""
         size = encoded_size(ckpt)
         victims: list[bytes] = []
         if ckpt.key in self.rows:
-            expected = "duplicate"
-        elif size > QUOTAS[tier]:
-            expected = "dropped"
-        else:
-            need = sum(r[1] for r in self.rows.values() if r[0] == tier) + size - QUOTAS[tier]
-            for key in self._lru((tier,)):
-                if need <= 0:
-                    break
-                victims.append(key)
-                need -= self.rows[key][1]
-            expected = "dropped" if need > 0 else "published"
+            return "duplicate", victims, size
+        if size > QUOTAS[tier]:
+            return "dropped", victims, size
+        need = sum(r[1] for r in self.rows.values() if r[0] == tier) + size - QUOTAS[tier]
+        for key in self._lru((tier,)):
+            if need <= 0:
+                break
+            victims.append(key)
+            need -= self.rows[key][1]
+        return "dropped" if need > 0 else "published", victims, size
+
+    def _save(self, ckpt: Checkpoint, state_len: int, tier: str) -> None:
+        expected, victims, size = self._expect(ckpt, tier)
         assert self.store.save(ckpt, tier, sync=True, timeout=30).status == expected
         event(f"save {expected}" + (" after evicting" if victims and expected == "published" else ""))
         if expected == "published":
@@ -270,31 +275,24 @@ class BlockCacheMachine(CacheMachine):
 
     @rule(idx=st.integers(0, 15), state_len=st.sampled_from(BLOCK_LENS), tier=st.sampled_from(TIER_NAMES))
     def save(self, idx: int, state_len: int, tier: str) -> None:
-        ckpt = chained(idx, state_len)
-        row = blocks.split(ckpt, BLOCK_TOKENS)[0]
-        size, quota = encoded_size(row), BLOCK_QUOTAS[tier]
+        self._save(chained(idx, state_len), state_len, tier)
+
+    def _expect(self, ckpt: Checkpoint, tier: str) -> tuple[str, list[bytes], int]:
+        size, quota = encoded_size(blocks.split(ckpt, BLOCK_TOKENS)[0]), BLOCK_QUOTAS[tier]
         if ckpt.key in self.rows:
-            expected, victims = "duplicate", []
-        else:
-            self.rows[ckpt.key] = (tier, size, self.tick + 1, state_len)
-            with_new = self._stored(tier, list(self.rows))
-            added = with_new - self._stored(tier, [k for k in self.rows if k != ckpt.key])
-            victims = []
-            for key in self._lru((tier,)):
-                if with_new - self._freed(victims, (tier,)) <= quota:
-                    break
-                if key != ckpt.key:
-                    victims.append(key)
-            fits = added <= quota and with_new - self._freed(victims, (tier,)) <= quota
-            del self.rows[ckpt.key]
-            expected = "published" if fits else "dropped"
-        assert self.store.save(ckpt, tier, sync=True, timeout=30).status == expected
-        event(f"block save {expected}" + (" after evicting" if victims and expected == "published" else ""))
-        if expected == "published":
-            for key in victims:
-                del self.rows[key]
-            self.rows[ckpt.key] = (tier, size, 0, state_len)
-            self._use(ckpt.key)
+            return "duplicate", [], size
+        self.rows[ckpt.key] = (tier, size, self.tick + 1, len(ckpt.tokens))
+        with_new = self._stored(tier, list(self.rows))
+        added = with_new - self._stored(tier, [k for k in self.rows if k != ckpt.key])
+        victims: list[bytes] = []
+        for key in self._lru((tier,)):
+            if with_new - self._freed(victims, (tier,)) <= quota:
+                break
+            if key != ckpt.key:
+                victims.append(key)
+        fits = added <= quota and with_new - self._freed(victims, (tier,)) <= quota
+        del self.rows[ckpt.key]
+        return "published" if fits else "dropped", victims, size
 
     def _expected_hit(self, probe: bytes) -> tuple[bytes, int] | None:
         key = SCHEME.key(probe)
@@ -342,10 +340,6 @@ class BlockCacheMachine(CacheMachine):
         assert self.store.check() == []
 
 
-BlockCacheMachine.TestCase.settings = settings(
-    max_examples=120,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+BlockCacheMachine.TestCase.settings = settings(CacheMachine.TestCase.settings, max_examples=120,
+                                               stateful_step_count=40)
 test_block_cache_machine = BlockCacheMachine.TestCase
