@@ -292,6 +292,14 @@ def encode_parts(ckpt: Checkpoint) -> list[Buffer]:
     return parts
 
 
+def _chain_of(meta: dict, version: int, state_len: int) -> Chain | None:
+    """A format 2 file's chain, which its state section (tail and carried sections) must fit exactly."""
+    chain = Chain.from_json(meta["chain"]) if version == CHAIN_FORMAT else None
+    if ("chain" in meta) != (chain is not None) or (chain and chain.tail + sum(chain.opaque) != state_len):
+        raise ValueError(f"a format {version} file with a chain that does not fit it")
+    return chain
+
+
 def decode(buf: Buffer) -> Checkpoint:
     """Verify a whole checkpoint file and decode it; state and logits are zero-copy views into `buf`.
 
@@ -320,9 +328,7 @@ def decode(buf: Buffer) -> Checkpoint:
         frontier, memory = int(meta.get("frontier", n_tokens)), MemoryKind(meta.get("memory", MemoryKind.FULL))
         if not 0 <= frontier <= n_tokens:
             raise ValueError(f"frontier {frontier} outside the {n_tokens} tokens")
-        chain = Chain.from_json(meta["chain"]) if version == CHAIN_FORMAT else None
-        if ("chain" in meta) != (chain is not None) or (chain and chain.tail + sum(chain.opaque) != s_len):
-            raise ValueError(f"a format {version} file with a chain that does not fit it")
+        chain = _chain_of(meta, version, s_len)
         return Checkpoint(
             key=bytes.fromhex(meta["key"]),
             model=meta["model"],

@@ -681,14 +681,18 @@ class Index:
         with self._mem_lock:
             self._clock = max(self._clock, clock)
         self._in_batches(lost, self._drop)
-        with self.write() as b:
-            b.txn.drop(self._blocks, delete=False)
-            for bid, (refs, size, _, _) in sorted(blocks.items()):
-                b.txn.put(bid, _BLOCK.pack(refs, size, 1), db=self._blocks)
+        self._recount_blocks(blocks)
         if bad:
             rewritten, gone = self._rewrite(_decode_any)
             log.warning("the cache index held %d unreadable rows: %d dropped, %d kept", bad, gone, rewritten)
         return kept
+
+    def _recount_blocks(self, blocks: dict[bytes, list]) -> None:
+        """Block entries as the rows kept at open name them: every block in place, written."""
+        with self.write() as b:
+            b.txn.drop(self._blocks, delete=False)
+            for bid, (refs, size, _, _) in sorted(blocks.items()):
+                b.txn.put(bid, _BLOCK.pack(refs, size, 1), db=self._blocks)
 
     @staticmethod
     def _drop(b: Batch, key: bytes) -> None:

@@ -36,7 +36,7 @@ from . import blocks
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Row, RowHead, valid_aliases
+from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Reservation, Row, RowHead, valid_aliases
 from .stateformat import StateFormatError
 from .tiers import BLOCK_SUFFIX, FileTier, RamTier, Tier, lock_file, thread_buffer
 from .writer import WriterPool
@@ -85,6 +85,29 @@ class ReconcileReport:
 
 
 _read_buffers = threading.local()
+
+
+def _adopted_row(ckpt: Checkpoint, tier: str, location: str, size: int) -> Row:
+    """The row of a verified file found without one: used when it was written."""
+    chain = ckpt.chain
+    return Row(
+        key=ckpt.key,
+        model=ckpt.model,
+        tier=tier,
+        size=size,
+        tokens=len(ckpt.tokens),
+        text_bytes=len(ckpt.rendered),
+        save_reason=ckpt.save_reason,
+        status=AVAILABLE,
+        last_used_ns=int(ckpt.created * 1e9),
+        created=ckpt.created,
+        location=location,
+        aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
+        memory=ckpt.memory,
+        frontier=ckpt.frontier_tokens,
+        blocks=chain.keys if chain is not None else (),
+        block_size=chain.block_size if chain is not None else 0,
+    )
 
 
 class CacheStore:
@@ -312,33 +335,13 @@ class CacheStore:
             report.corrupt_removed += 1
             self.counters.count("corrupt_files")
             return
+        row = _adopted_row(ckpt, tier.name, location, size)
         with index.write() as b:
             duplicate = b.get(ckpt.key) is not None  # the key already lives in the other file tier
-            new_blocks = [k for k in (chain.keys if chain else ()) if b.block(tier.name, k) is None]
-            added = size + len(new_blocks) * (chain.block_size if chain else 0)
-            fits = not duplicate and index.usage(tier.name)[0] + added <= tier.quota
+            new_blocks = [k for k in row.blocks if b.block(tier.name, k) is None]
+            fits = not duplicate and index.usage(tier.name)[0] + size + len(new_blocks) * row.block_size <= tier.quota
             if fits:
-                b.put(
-                    Row(
-                        key=ckpt.key,
-                        model=ckpt.model,
-                        tier=tier.name,
-                        size=size,
-                        tokens=len(ckpt.tokens),
-                        text_bytes=len(ckpt.rendered),
-                        save_reason=ckpt.save_reason,
-                        status=AVAILABLE,
-                        last_used_ns=int(ckpt.created * 1e9),
-                        created=ckpt.created,
-                        location=location,
-                        aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
-                        memory=ckpt.memory,
-                        frontier=ckpt.frontier_tokens,
-                        blocks=chain.keys if chain is not None else (),
-                        block_size=chain.block_size if chain is not None else 0,
-                    ),
-                    written=True,
-                )
+                b.put(row, written=True)
         if fits:
             report.adopted += 1
             return
@@ -428,22 +431,8 @@ class CacheStore:
         tier = self._tiers[tier_name]
         key = ckpt.key
         ckpt, payloads = self._as_blocks(ckpt)
-        chain = ckpt.chain
-        size = encoded_size(ckpt)
         try:
-            res = index.reserve(
-                key,
-                tier_name,
-                size,
-                model=ckpt.model,
-                tokens=len(ckpt.tokens),
-                text_bytes=len(ckpt.rendered),
-                save_reason=ckpt.save_reason,
-                memory=ckpt.memory,
-                frontier=ckpt.frontier_tokens,
-                blocks=chain.keys if chain is not None else (),
-                block_size=chain.block_size if chain is not None else 0,
-            )
+            res = self._reserve(ckpt, tier_name)
         except IndexWriteError as e:
             return self._failed(key, tier_name, e)
         if res.evicted:
@@ -478,6 +467,22 @@ class CacheStore:
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
         return SaveOutcome("published", key, tier_name)
+
+    def _reserve(self, ckpt: Checkpoint, tier_name: str) -> Reservation:
+        chain = ckpt.chain
+        return self._require_open().reserve(
+            ckpt.key,
+            tier_name,
+            encoded_size(ckpt),
+            model=ckpt.model,
+            tokens=len(ckpt.tokens),
+            text_bytes=len(ckpt.rendered),
+            save_reason=ckpt.save_reason,
+            memory=ckpt.memory,
+            frontier=ckpt.frontier_tokens,
+            blocks=chain.keys if chain is not None else (),
+            block_size=chain.block_size if chain is not None else 0,
+        )
 
     def _write_blocks(self, tier: Tier, keys: tuple[bytes, ...], payloads: dict[bytes, bytearray],
                       claim_ok: Callable[[], bool]) -> None:
