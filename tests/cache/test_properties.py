@@ -340,6 +340,6 @@ class BlockCacheMachine(CacheMachine):
         assert self.store.check() == []
 
 
-BlockCacheMachine.TestCase.settings = settings(CacheMachine.TestCase.settings, max_examples=120,
+BlockCacheMachine.TestCase.settings = settings(CacheMachine.TestCase.settings, max_examples=50,
                                                stateful_step_count=40)
 test_block_cache_machine = BlockCacheMachine.TestCase
