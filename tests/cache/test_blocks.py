@@ -216,3 +216,49 @@ def test_a_row_file_names_blocks_that_chain_its_tokens(bstore) -> None:
     row.chain = type(row.chain)(**{**row.chain.__dict__, "keys": row.chain.keys[::-1]})
     with pytest.raises(CorruptCheckpoint, match="chain"):
         row.check_key()
+
+
+def test_an_index_of_format_2_is_read_as_whole_state_rows(bstore, caplog: pytest.LogCaptureFixture) -> None:
+    """Rows written before blocks existed are whole-state rows: read, rewritten with one log line."""
+    import lmdb
+
+    from barreld.cache import index as index_mod
+
+    store = bstore(block_tokens=0)
+    c = ckpt(64)
+    store.save(c, "disk", sync=True)
+    store.close()
+    env = lmdb.open(str(store.data_dir / "index.lmdb"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        rows = env.open_db(b"rows", txn=txn)
+        raw = txn.get(c.key, db=rows)
+        head = index_mod._ROW_HEAD.unpack_from(raw)
+        assert head[12:] == (0, 0)
+        txn.put(c.key, index_mod._ROW_HEAD_2.pack(2, *head[1:12]) + raw[index_mod._ROW_HEAD.size :], db=rows)
+        txn.put(b"format", (2).to_bytes(4, "little"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with caplog.at_level("WARNING", logger="barreld.cache"):
+        store = bstore()
+    assert [r.message for r in caplog.records if "format" in r.message] == [
+        "the cache index is in format 2: 1 rows rewritten in format 3, 0 dropped (a file whose row is gone is "
+        "verified and adopted at open)"]
+    assert restored(store, c) == bytes(c.state) and store.check() == []
+
+
+def test_a_row_file_is_format_2_and_never_read_as_a_whole_state() -> None:
+    """A row's state section holds only its tail: it is written as format 2, and a format 1 header on it (what
+    an older build would take for a whole state) is refused, as is a format 2 file without its chain."""
+    import struct
+
+    import xxhash
+
+    from barreld.cache import decode, encode_parts
+    from barreld.cache.blocks import split
+
+    row, _ = split(ckpt(70, 6), B)
+    raw = bytearray(b"".join(bytes(p) for p in encode_parts(row)))
+    assert struct.unpack_from("<I", raw, 8)[0] == 2 and decode(raw).chain == row.chain
+    struct.pack_into("<I", raw, 8, 1)
+    raw[-16:] = xxhash.xxh3_128(raw[:-16]).digest()
+    with pytest.raises(CorruptCheckpoint, match="chain"):
+        decode(raw)
