@@ -156,9 +156,10 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
         assert r["frontier"] < r["tokens"] or r["save_reason"] == "cold"
         assert r["frontier"] % CHUNK == 0 or MODELS[model].memory == "full"
     # Stored as chains of 256-token blocks (the default), which the rows of one conversation share; a
-    # recurrent state has no attention cells to cut and stays whole.
+    # recurrent state has no attention cells to cut and stays whole. (Without swa_full, Gemma keeps one row.)
     assert all(r["blocks"] == (0 if MODELS[model].memory == "recurrent" else r["frontier"] // 256) for r in rows)
-    assert any(r["shared_bytes"] for r in rows) == (MODELS[model].memory != "recurrent")
+    if sum(1 for r in rows if r["blocks"]) > 1:  # one conversation's rows share its first blocks
+        assert any(r["shared_bytes"] for r in rows)
 
 
 def test_live_turn_equals_restored_turn_after_restart() -> None:

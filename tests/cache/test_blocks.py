@@ -262,3 +262,14 @@ def test_a_row_file_is_format_2_and_never_read_as_a_whole_state() -> None:
     raw[-16:] = xxhash.xxh3_128(raw[:-16]).digest()
     with pytest.raises(CorruptCheckpoint, match="chain"):
         decode(raw)
+
+
+def test_every_block_boundary_of_a_stored_row_restores_that_prefix(bstore) -> None:
+    """A row restored and cut at any block boundary is byte for byte the state of that many tokens."""
+    store = bstore()
+    c = ckpt(90)
+    store.save(c, "disk", sync=True)
+    with store.restore(store.lookup(c.key)) as got:
+        layout = stateformat.parse(got.state, SPEC)
+        for k in range(0, 90, B):
+            assert bytes(stateformat.cut(layout, k)) == state(k)
