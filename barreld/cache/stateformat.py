@@ -454,6 +454,11 @@ class _Seg:
     cell_stride: int
     unit: int
 
+    @property
+    def packed(self) -> bool:
+        """One run of cells with nothing between them."""
+        return self.chans == 1 and self.cell_stride == self.unit
+
     def view(self, buf: memoryview, first: int, count: int) -> np.ndarray:
         start = self.offset + first * self.cell_stride
         strides = (self.chan_stride, self.cell_stride, 1)
@@ -493,9 +498,14 @@ def _payload_segs(kv: KvShape, cells: int) -> list[_Seg]:
 
 def _copy_cells(src: memoryview, src_segs: list[_Seg], pick: slice | np.ndarray, dst: memoryview,
                 dst_segs: list[_Seg], first: int, count: int) -> None:
-    """Copies the picked source cells (a slice, or storage indices) to dst cells first..first+count-1."""
+    """Copies the picked source cells (a slice, or storage indices) to dst cells first..first+count-1. Runs of
+    rows that lie back to back on both sides (K, and V unless transposed) are copied as one memcpy."""
     for s, d in zip(src_segs, dst_segs, strict=True):
-        if isinstance(pick, slice):
+        if isinstance(pick, slice) and s.packed and d.packed:
+            n = count * s.unit
+            at, to = s.offset + pick.start * s.unit, d.offset + first * d.unit
+            dst[to : to + n] = src[at : at + n]
+        elif isinstance(pick, slice):
             d.view(dst, first, count)[...] = s.view(src, pick.start, count)
         else:
             d.view(dst, first, count)[...] = s.view(src, 0, int(pick.max()) + 1)[:, pick, :]

@@ -569,7 +569,8 @@ class CacheStore:
         missing or fails verification is counted and marked for the next save that names it to write again;
         the row is not assembled (CorruptCheckpoint)."""
         tier = self._tiers[row.tier]
-        buf = memoryview(thread_buffer(_read_buffers, len(row.blocks) * row.block_size))
+        size = len(row.blocks) * row.block_size if isinstance(tier, FileTier) else 0  # ram maps are read in place
+        buf = memoryview(thread_buffer(_read_buffers, size))
         payloads = []
         for i, key in enumerate(row.blocks):
             location = tier.block_location(key.hex())
