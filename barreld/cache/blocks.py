@@ -33,8 +33,11 @@ from .checkpoint import Buffer, Chain, Checkpoint
 from .errors import CorruptCheckpoint
 from .tiers import thread_buffer
 
-DEFAULT_BLOCK_TOKENS = 256
-"""Tokens per block when the operator sets none (see bench/RESULTS.md for the measurement behind it)."""
+DEFAULT_BLOCK_TOKENS = 128
+"""Tokens per block when the operator sets none: the smallest block the default prefill chunk (n_batch 512)
+allows. Each checkpoint's tail (up to block_tokens - 1 tokens after its last whole block) is its own, so on
+a chat whose turns add a hundred tokens each, 128 stores 1.4 times one state per distinct token where 256
+stores 1.7 times (bench/RESULTS.md, section 7)."""
 BLOCK_MAGIC = b"BRLBLK\r\n"
 BLOCK_FORMAT = 1
 _HEAD = struct.Struct("<8sII32sQ")
