@@ -571,6 +571,8 @@ class CacheStore:
         tier = self._tiers[row.tier]
         size = len(row.blocks) * row.block_size if isinstance(tier, FileTier) else 0  # ram maps are read in place
         buf = memoryview(thread_buffer(_read_buffers, size))
+        if isinstance(tier, FileTier):
+            tier.prefetch([tier.block_location(key.hex()) for key in row.blocks])
         payloads = []
         for i, key in enumerate(row.blocks):
             location = tier.block_location(key.hex())
