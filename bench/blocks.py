@@ -268,7 +268,9 @@ def main() -> None:
     t0 = time.monotonic()
     raw: dict = {}
     for path in args.load:
-        raw.update(json.loads(path.read_text()))
+        part = json.loads(path.read_text())
+        part["wall_s"] = part.get("wall_s", 0) + raw.get("wall_s", 0)
+        raw.update(part)
     tok = Tokenizer()
     if "traces" not in raw and args.only != "ttft":
         raw["traces"] = [
