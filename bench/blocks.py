@@ -169,21 +169,25 @@ def evict_256m() -> dict:
     of 512..4,224 tokens that share their first 2,048 tokens (as a system prompt and documents) and go their
     own way after. What the store frees, in stored bytes, and that it is consistent after (no shared block
     went before its last row)."""
+    import random
+
     from barreld.cache import CacheStore, Checkpoint, TierConfig, stateformat
     from bench.cache_core import SCHEME
-    from tests.cache import synthstate
 
-    layer = synthstate.Layer(1, 11_520, 1, 11_520)  # 23,040 bytes of K and V per cell, as SmolLM2's 23,052
+    kv = stateformat.KvShape(1, False, 0, (stateformat.LayerShape(1, 11_520, 1, 11_520),))  # 23,040 B a cell
+    shape = stateformat.StateShape(stateformat.StateSpec.for_memory("full"), (kv,))
+    cells = 128  # KV is made per 128 cells: the same for the shared head, each row's own after it
     root = Path(tempfile.mkdtemp(prefix="barrel-blocks-", dir="/dev/shm"))
     store = CacheStore(root / "data", {"ram_file": TierConfig(4 << 30, root / "rf")}, block_tokens=256).open()
     try:
         for i in range(30):
             n = 512 + 128 * i
             tokens = list(range(min(n, 2048))) + [10_000 + i] * max(0, n - 2048)
-            kv = synthstate.Kv("attention", 1, False, 0, (layer,), tuple(range(n)), 1)
-            state = synthstate.build(0, [kv]).data
-            ckpt = Checkpoint.build(SCHEME, "bench", f"row {i}".encode(), tokens, "cold", state)
-            ckpt.layout = stateformat.parse(state, stateformat.StateSpec.for_memory("full")).shape
+            chunks = [random.Random(f"{f}" if f < 2048 else f"{i}:{f}").randbytes(cells * kv.cell_bytes)
+                      for f in range(0, n, cells)]
+            ckpt = Checkpoint.build(SCHEME, "bench", f"row {i}".encode(), tokens, "cold",
+                                    stateformat.assemble(shape, 0, chunks, []))
+            ckpt.layout = shape
             store.save(ckpt, "ram_file", sync=True)
         before = store.stats()["tiers"]["ram_file"]
         rows, freed = store.evict_bytes(256 << 20)
