@@ -69,6 +69,7 @@ def daemon(policy: str, name: str) -> Sandbox:
     box = Sandbox.new(f'{policy}\n[[models]]\nname = "{name}"\npath = "{path()}"\nn_threads = 1\n{extra}',
                       label="bench")
     box.start_daemon("--log-level", "warning", timeout=300)
+    box.wait_models({name})
     return box
 
 

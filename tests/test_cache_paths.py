@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,27 +94,19 @@ def reasons(w: Sandbox) -> set[str]:
     return {row["save_reason"] for row in w.ctl("--json", "cache", "dump").json()["rows"]}
 
 
-def start_with_models(w: Sandbox) -> None:
-    """The daemon answers while it still loads its configured models: wait until every one is listed."""
-    w.start_daemon(timeout=300)
-    deadline = time.monotonic() + 300
-    with w.client() as c:
-        while {m.name for m in c.models()} != set(MODELS):
-            assert time.monotonic() < deadline, w.log_text()[-4000:]
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def warm() -> Iterator[Sandbox]:
     with Sandbox.new(POLICY + models_config()) as w:
-        start_with_models(w)
+        w.start_daemon(timeout=300)
+        w.wait_models(set(MODELS))
         yield w
 
 
 @pytest.fixture(scope="module")
 def cold() -> Iterator[Sandbox]:
     with Sandbox.new(NO_SAVES + models_config()) as w:
-        start_with_models(w)
+        w.start_daemon(timeout=300)
+        w.wait_models(set(MODELS))
         yield w
 
 
