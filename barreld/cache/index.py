@@ -111,7 +111,8 @@ class Row:
     def encode(self) -> bytes:
         """Format 2: `_ROW_HEAD` (format, status, numbers, string and alias counts, frontier), then model,
         tier, save_reason, location ('' for none), token and memory kind joined by NUL, which none of them
-        can hold, then the (alias key, n_tokens) pairs. Binary, so open decodes 100,000 rows in a fraction of a second."""
+        can hold, then the (alias key, n_tokens) pairs. Binary, so open decodes 100,000 rows in a fraction
+        of a second."""
         strings = "\0".join(
             (self.model, self.tier, self.save_reason, self.location or "", self.token, self.memory)
         ).encode()
