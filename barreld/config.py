@@ -26,7 +26,7 @@ from barreld.cache.remote.settings import (
     url_problem,
 )
 from barreld.http.address import ListenAddress, load_api_keys, parse_listen
-from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES, model_name_problem
+from barreld.names import FINGERPRINT_MODES, MEMORY_TIERS, REDIS_TIER, TIER_NAMES, model_name_problem
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
 from barreld.sizes import parse_size
@@ -64,7 +64,7 @@ class SchedulerConfig:
     interval_ms: int = 5000
     high_watermark: float = 0.85
     low_watermark: float = 0.75
-    evict_tiers: tuple[str, ...] = ("ram", "ram_file")
+    evict_tiers: tuple[str, ...] = MEMORY_TIERS
 
 
 @dataclass(frozen=True)
