@@ -55,12 +55,14 @@ def remote(w: Sandbox) -> dict:
     return {**stats["redis"], "published": sum(stats["counters"][f"saves_{r}"] for r in SAVE_REASONS)}
 
 
-def settle(w: Sandbox) -> dict:
-    """Until every checkpoint the host published has been mirrored (or its mirror failed or was dropped)."""
+def settle(w: Sandbox, reply: dict) -> dict:
+    """Until the reply's finish checkpoint is published (an async save), and every checkpoint the host
+    published has been mirrored (or its mirror failed or was dropped)."""
     deadline = time.monotonic() + 60
     while True:
         r = remote(w)
-        if r["mirrors"] + r["mirrors_present"] + r["mirrors_failed"] + r["mirrors_dropped"] >= r["published"]:
+        done = r["mirrors"] + r["mirrors_present"] + r["mirrors_failed"] + r["mirrors_dropped"] >= r["published"]
+        if done and reply["key"] in local_rows(w):
             return r
         assert time.monotonic() < deadline, r
         time.sleep(0.1)
@@ -83,18 +85,18 @@ def local_rows(w: Sandbox) -> set[str]:
 def test_host_b_warm_starts_from_host_a_through_redis(hosts: tuple[Sandbox, Sandbox], cold: Sandbox) -> None:
     a, b = hosts
     prompt = doc(1, 330)
-    assert served(a, cold, prompt)["cache"]["path"] == "miss"
-    settle(a)
+    reply = served(a, cold, prompt)
+    assert reply["cache"]["path"] == "miss"
+    settle(a, reply)
     first = served(b, cold, prompt)
     assert first["cache"]["tier"] == "redis" and first["cache"]["path"] == "exact", first["cache"]
     assert first["cache"]["restored_tokens"] > 256
-    settle(b)  # the promotion is B's own checkpoint now
+    settle(b, first)  # the promotion (and B's finish save) are B's own checkpoints now
     again = served(b, cold, prompt)
     assert again["cache"]["tier"] != "redis" and again["cache"]["restored_tokens"] > 256
 
     head = doc(2, 330)
-    served(a, cold, head)
-    settle(a)
+    settle(a, served(a, cold, head))
     extended = served(b, cold, head + " and then, far from the river, a letter came in the morning")
     assert extended["cache"]["tier"] == "redis" and extended["cache"]["path"] == "longest_prefix", extended["cache"]
 
@@ -115,8 +117,7 @@ def test_every_redis_fault_is_a_cold_reply_and_no_local_row_is_lost(
 
     def shared(i: int) -> tuple[str, dict]:
         prompt = doc(10 + i, 330)
-        served(a, cold, prompt)
-        settle(a)
+        settle(a, served(a, cold, prompt))
         return prompt, remote(b)
 
     # A value overwritten with other bytes: a corrupt miss on B.
