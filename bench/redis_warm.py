@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,8 +87,9 @@ def table(r: dict[str, list[float]], reps: int) -> Table:
     t = Table(f"Warm start from Redis, {int(median(r['tokens']))}-token prompt, time to first token "
               f"(daemon's; medians of {reps})",
               ["", "ttft", "/ cold", "target", "", "bytes over the network per request"],
-              note=f"{m['cpu']}, {m['cores']} cores; redis-server on 127.0.0.1 (no persistence), two barrelds "
-                   "on the same machine. Whole-checkpoint values: with the block store, figures are pending.")
+              note=f"{m['cpu']}, {m['cores']} cores, load average {os.getloadavg()[0]:.1f} at the end of the run; "
+                   "redis-server on 127.0.0.1 (no persistence), two barrelds on the same machine. Whole-checkpoint "
+                   "values: with the block store, figures are pending.")
     t.add("cold prefill (host A)", ms(cold), "1", "", "", "-")
     t.add("warm from Redis (host B's first request)", ms(median(r["redis"])), frac(median(r["redis"]), cold),
           f"<= 1/{TARGET}", verdict(median(r["redis"]) * TARGET <= cold),

@@ -223,9 +223,10 @@ class Servicer(pb_grpc.BarrelServicer):
 
     @staticmethod
     def _reached(result: T | None) -> T:
-        """A remote operation's result; None means Redis could not be read or told."""
+        """A remote operation's result; None means Redis could not be read or told (the daemon itself is
+        there, so not UNAVAILABLE, which clients read as no daemon)."""
         if result is None:
-            raise Unavailable("the redis tier could not be reached; see `barrelctl cache stats` and the daemon log")
+            raise FailedPrecondition("the redis tier could not be reached; see `barrelctl cache stats` and the log")
         return result
 
     def _fingerprints(self, model: str) -> dict[bytes, str] | None:
