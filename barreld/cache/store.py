@@ -7,6 +7,11 @@ directory -> fdatasync -> confirm the reservation is still ours -> rename into p
 directory -> mark the row available, durably. A crash anywhere leaves a state `open()` reconciles: a
 reserved row is cleared, a temp file removed, the file of a row removed before the crash deleted, a
 complete published file without a row verified and adopted.
+
+A shared remote tier (optional, beneath the local ones) hooks in at three places: a published checkpoint
+is mirrored to it by a writer thread; a lookup that misses locally may probe it (`lookup_remote`); a
+remote hit is fetched, verified and restored from memory, and promoted into a local tier by an ordinary
+async save for next time.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from barreld.names import TIER_NAMES
+from barreld.names import REDIS_TIER, TIER_NAMES
 
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
@@ -31,6 +37,9 @@ from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQu
 from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Row, RowHead, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
+
+if TYPE_CHECKING:
+    from .remote.tier import RemoteTier
 
 log = logging.getLogger("barreld.cache")
 
@@ -87,6 +96,7 @@ class CacheStore:
         *,
         writers: int = 2,
         queue_size: int = 16,
+        remote: RemoteTier | None = None,
     ) -> None:
         unknown = set(tiers) - set(TIER_NAMES)
         if unknown:
@@ -105,6 +115,7 @@ class CacheStore:
         self._lock_fd: int | None = None
         self._pending: dict[bytes, Future] = {}
         self._plock = threading.Lock()
+        self.remote = remote
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -146,8 +157,10 @@ class CacheStore:
         if self._index is None:
             return
         if self._pool is not None:
-            self._pool.close()
+            self._pool.close()  # queued mirrors finish too
         self._release_resources()
+        if self.remote is not None:
+            self.remote.close()
 
     def _release_resources(self) -> None:
         if self._index is not None:
@@ -411,7 +424,19 @@ class CacheStore:
             return SaveOutcome("dropped", key, tier_name, detail="reservation lost")
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
+        self._mirror(ckpt)
         return SaveOutcome("published", key, tier_name)
+
+    def _mirror(self, ckpt: Checkpoint) -> None:
+        """Queue a copy of a published checkpoint to the remote tier behind the saves, off every request's
+        path; a full queue drops the copy (counted), as it drops a save."""
+        remote = self.remote
+        if remote is None or not remote.writes or self._pool is None:
+            return
+        try:
+            self._pool.submit(lambda: remote.mirror(ckpt))
+        except (WriterQueueFull, RuntimeError):  # RuntimeError: the pool is closing
+            remote.dropped()
 
     def _failed(self, key: bytes, tier_name: str, e: Exception) -> SaveOutcome:
         """A save that storage refused (a full or failing tier or index): counted, logged, never raised,
@@ -433,15 +458,25 @@ class CacheStore:
         """The row (exact key first, then a prefix alias) that can serve `key`; LMDB reads only."""
         return self._require_open().lookup(key)
 
+    def lookup_remote(self, keys: Sequence[bytes]) -> list[Hit | None]:
+        """For each key, the remote tier's row that can serve it (none without a remote tier): one round
+        trip for them all. For a lookup that missed locally."""
+        self._require_open()
+        return [None] * len(keys) if self.remote is None else list(self.remote.probe(keys))
+
     @contextmanager
-    def restore(self, hit: Hit) -> Iterator[Checkpoint | None]:
+    def restore(self, hit: Hit, promote_to: str | None = None) -> Iterator[Checkpoint | None]:
         """Read and verify a hit's checkpoint, holding a reference (no eviction) while the caller uses it.
 
         Yields None when the row is gone or fails verification (then the row, its aliases and its file
         are dropped and `corrupt_files` counts it): the caller falls back to a prefill. The state and
-        logits are views into the read buffer, valid inside the `with` block only.
+        logits are views into the read buffer, valid inside the `with` block only. A remote hit is
+        fetched into memory and, once verified, also saved to `promote_to`.
         """
         index = self._require_open()
+        if hit.tier == REDIS_TIER:
+            yield self._fetch_remote(hit, promote_to)
+            return
         key = hit.row_key
         if not index.acquire(key):
             yield None
@@ -458,6 +493,17 @@ class CacheStore:
             yield ckpt
         finally:
             index.release(key)
+
+    def _fetch_remote(self, hit: Hit, promote_to: str | None) -> Checkpoint | None:
+        if self.remote is None:
+            return None
+        t0 = time.perf_counter_ns()
+        ckpt = self.remote.fetch(hit)  # type: ignore[arg-type]  # a remote tier's hits are RemoteHits
+        if ckpt is not None:
+            self.counters.add_ns("restore_ns", time.perf_counter_ns() - t0)
+            if promote_to is not None:
+                self.save(ckpt, promote_to)
+        return ckpt
 
     def _read_verified(self, row: Row) -> Checkpoint | None:
         """The row's checkpoint, checksum and key verified; on any failure the row is dropped."""
@@ -482,9 +528,9 @@ class CacheStore:
 
     # ---- operations ---------------------------------------------------------------------------
 
-    def gc(self) -> int:
-        """Evict every unreferenced row in every tier; returns how many."""
-        evicted, _ = self._require_open().evict(TIER_NAMES, math.inf)
+    def gc(self, tiers: Iterable[str] | None = None) -> int:
+        """Evict every unreferenced row in `tiers` (every local one when None); returns how many."""
+        evicted, _ = self._require_open().evict(TIER_NAMES if tiers is None else tuple(tiers), math.inf)
         self.counters.count("evictions", evicted)
         return evicted
 
@@ -536,13 +582,15 @@ class CacheStore:
         ]
 
     def stats(self) -> dict:
-        """The contract's `cache stats` shape: counters, and per-tier bytes/quota/rows (reserved included)."""
+        """The contract's `cache stats` shape: counters, per-tier bytes/quota/rows (reserved included), and
+        the remote tier's status (None without one)."""
         index = self._require_open()
         tiers = {}
         for name, tier in self._tiers.items():
             used, rows = index.usage(name)
             tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows}
-        return {"counters": self.counters.snapshot(), "tiers": tiers}
+        remote = self.remote.stats() if self.remote is not None else None
+        return {"counters": self.counters.snapshot(), "tiers": tiers, REDIS_TIER: remote}
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> tuple[int, list[str]]:
         """Re-read and verify every available row; drop the bad ones. Returns (checked, bad keys as hex)."""

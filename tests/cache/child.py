@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig
-from barreld.names import TIER_NAMES
+from barreld.names import MEMORY_TIERS, TIER_NAMES
 
 SCHEME = KeyScheme(b"\x42" * 32, "Q8_0", CtxParams(1, 1, 1, True, 10000.0, 1.0, True, False).encode())
 DISK_QUOTA = 1 << 20
@@ -59,7 +59,7 @@ def loop(data: str, rf_root: str, seed: int) -> None:
     rng = random.Random(seed)
     disk_saves = 0
     for i in range(1, 1 << 30):
-        tiers = TIER_NAMES if disk_saves < DISK_SAVES_PER_LIFE else ("ram", "ram_file")
+        tiers = TIER_NAMES if disk_saves < DISK_SAVES_PER_LIFE else MEMORY_TIERS
         tier = rng.choice(tiers)
         ckpt = checkpoint(f"{seed}:{i}".encode(), rng.randbytes(rng.randrange(64, 3000)))
         r = rng.random()

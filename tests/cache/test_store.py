@@ -195,7 +195,7 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
     assert rows[0]["last_used"] >= rows[1]["last_used"]  # most recent first
     assert store.dump(tier="ram") == [by_tier["ram"]] and store.dump(model="nope") == []
     stats = store.stats()
-    assert set(stats) == {"counters", "tiers"}
+    assert set(stats) == {"counters", "tiers", "redis"} and stats["redis"] is None  # no remote tier here
     assert stats["tiers"]["disk"] == {"bytes": by_tier["disk"]["size"], "quota": 1 << 20, "rows": 1}
     contract = [
         "hits_exact",
