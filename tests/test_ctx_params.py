@@ -81,8 +81,11 @@ def test_a_cpu_build_offloads_nothing_and_the_state_is_the_same(n_gpu_layers: in
         b.close()
 
 
-@pytest.mark.parametrize(("path", "sensitive"), [(lambda: bundled_model_path("smollm2"), False), (gemma_path, True)],
-                         ids=["smollm2", "gemma"])
+@pytest.mark.parametrize(
+    ("path", "sensitive"),
+    [(lambda: bundled_model_path("smollm2"), False), (gemma_path, True)],
+    ids=["smollm2", "gemma"],
+)
 def test_the_prefill_split_changes_the_state_of_some_models(path, sensitive: bool) -> None:
     """Gemma's repacked Q4_K kernels give other floats when batches split elsewhere; SmolLM2's do not. So the
     chunk size every prefill splits at is in the key."""

@@ -46,8 +46,10 @@ def _context_hint(settings: ContextSettings) -> str:
     plain = {KV_CACHE_TYPES[name] for name in PLAIN_KV_TYPES}
     if settings.type_k in plain and settings.type_v in plain:
         return ""
-    return (": a quantised K or V cache needs the model's attention head size to be a multiple of the type's"
-            " block size (32); try f16")
+    return (
+        ": a quantised K or V cache needs the model's attention head size to be a multiple of the type's"
+        " block size (32); try f16"
+    )
 
 
 class LlamaBackend:

@@ -241,8 +241,11 @@ class ModelCache:
         probes = [(Route.EXACT, self.key(rendered))]
         if parent_key:
             probes.append((Route.RESUME, parent_key))
-        probes += [(Route.LONGEST_PREFIX, self.key(rendered[: offsets[b]]))
-                   for b in self.policy.prefix_boundaries(n) if b > best.tokens]
+        probes += [
+            (Route.LONGEST_PREFIX, self.key(rendered[: offsets[b]]))
+            for b in self.policy.prefix_boundaries(n)
+            if b > best.tokens
+        ]
         hits = self.store.lookup_remote([key for _, key in probes])
         for (route, key), hit in zip(probes, hits, strict=True):
             if hit is None or hit.n_tokens <= best.tokens:
@@ -350,7 +353,10 @@ class ModelCache:
         if deadline is None:
             deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
         outcome = self.store.save(
-            ckpt, self.tier, self._prefixes(seq, rendered, payload.frontier), sync=sync,
+            ckpt,
+            self.tier,
+            self._prefixes(seq, rendered, payload.frontier),
+            sync=sync,
             timeout=max(0.0, deadline - time.monotonic()) if sync else None,
         )
         seq.stored_key = key

@@ -217,8 +217,13 @@ class ModelWorker:
             kept = self._live(seq, found) if found.route is Route.LIVE else self._restore(seq, found, req.target)
             held = self.backend.seq_pos_range(seq.id)
             if kept and not self.cache.memory.holds(kept, *held):
-                log.warning("%s: a %s start of %d tokens left positions %d..%d in the sequence; prefilling instead",
-                            self.name, found.route, kept, *held)
+                log.warning(
+                    "%s: a %s start of %d tokens left positions %d..%d in the sequence; prefilling instead",
+                    self.name,
+                    found.route,
+                    kept,
+                    *held,
+                )
                 self.cache.count("reuse_refused")
                 self.backend.seq_rm(seq.id, 0, -1)
                 seq.clear()
