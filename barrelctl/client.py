@@ -239,11 +239,20 @@ class Client:
         n_seq_max: int = 0,
         policy: Mapping[str, str] | None = None,
         fingerprint: str = "",
+        n_threads: int | None = None,
+        n_gpu_layers: int | None = None,
+        flash_attn: bool | None = None,
+        type_k: str = "",
+        type_v: str = "",
+        swa_full: bool | None = None,
         timeout: float | None = None,
     ) -> pb.ModelInfo:
-        """Loads a model under `name`; an empty or zero field takes the daemon's default."""
+        """Loads a model under `name`; an empty, zero or None field takes the daemon's default."""
+        knobs = {k: v for k, v in (("n_threads", n_threads), ("n_gpu_layers", n_gpu_layers),
+                                   ("flash_attn", flash_attn), ("swa_full", swa_full)) if v is not None}
         request = _pb().LoadModelRequest(name=name, path=path, tier=tier, n_ctx=n_ctx, n_batch=n_batch,
-                                         n_seq_max=n_seq_max, policy=dict(policy or {}), fingerprint=fingerprint)
+                                         n_seq_max=n_seq_max, policy=dict(policy or {}), fingerprint=fingerprint,
+                                         type_k=type_k, type_v=type_v, **knobs)
         return self._call("LoadModel", request, timeout)
 
     def unload(self, name: str, *, timeout: float | None = None) -> int:

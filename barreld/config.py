@@ -26,7 +26,15 @@ from barreld.cache.remote.settings import (
     url_problem,
 )
 from barreld.http.address import ListenAddress, load_api_keys, parse_listen
-from barreld.names import FINGERPRINT_MODES, MEMORY_TIERS, REDIS_TIER, TIER_NAMES, model_name_problem
+from barreld.names import (
+    FINGERPRINT_MODES,
+    KV_CACHE_TYPES,
+    MEMORY_TIERS,
+    PLAIN_KV_TYPES,
+    REDIS_TIER,
+    TIER_NAMES,
+    model_name_problem,
+)
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
 from barreld.sizes import parse_size
@@ -89,6 +97,17 @@ class ModelConfig:
     fingerprint: str | None = None
     fingerprint_digest: str | None = None  # the operator's digest, with fingerprint = "fast_unsafe"
     policy: Policy = field(default_factory=Policy)  # the daemon's [policy] with this model's table applied
+    n_threads: int | None = None
+    n_gpu_layers: int | None = None
+    flash_attn: bool | None = None
+    type_k: str | None = None
+    type_v: str | None = None
+    swa_full: bool | None = None
+
+    def knobs(self) -> dict[str, Any]:
+        """The context knobs this entry sets, by LoadOptions' names (the others keep their defaults)."""
+        names = ("n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
@@ -344,7 +363,28 @@ class _Reader:
             fingerprint_digest=digest,
             policy=self.policy(policy, overrides, f"{key}.policy"),
             **sizes,
+            **self.knobs(entry, key),
         )
+
+    def knobs(self, entry: dict[str, Any], key: str) -> dict[str, Any]:
+        """A model's threading, offload and KV cache settings: the ones it gives, checked."""
+        out: dict[str, Any] = {}
+        if "n_threads" in entry:
+            out["n_threads"] = self.integer(entry["n_threads"], f"{key}.n_threads", 1)
+        if "n_gpu_layers" in entry:
+            out["n_gpu_layers"] = self.integer(entry["n_gpu_layers"], f"{key}.n_gpu_layers", -1)
+        for name in ("flash_attn", "swa_full"):
+            if name in entry:
+                out[name] = self.boolean(entry[name], f"{key}.{name}")
+        for name in ("type_k", "type_v"):
+            if name in entry:
+                value = self.string(entry[name], f"{key}.{name}")
+                if value not in KV_CACHE_TYPES:
+                    self.fail(f"{key}.{name}", f"unknown cache type {value!r}: expected {', '.join(KV_CACHE_TYPES)}")
+                out[name] = value
+        if out.get("type_v", "f16") not in PLAIN_KV_TYPES and not out.get("flash_attn", False):
+            self.fail(f"{key}.type_v", f"a quantised V cache ({out['type_v']}) needs flash_attn = true")
+        return out
 
     # value checks
 

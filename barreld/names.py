@@ -42,6 +42,23 @@ class Route(StrEnum):
         return "misses" if self is Route.MISS else f"hits_{self.value}"
 
 
+KV_CACHE_TYPES: dict[str, int] = {
+    "f16": 1,
+    "f32": 0,
+    "bf16": 30,
+    "q8_0": 8,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "iq4_nl": 20,
+}
+"""The K and V cache types a model can be loaded with (`type_k`, `type_v`), by name, with their ggml type ids."""
+
+PLAIN_KV_TYPES: frozenset[str] = frozenset({"f16", "f32", "bf16"})
+"""The cache types that are not quantised: llama.cpp stores a quantised V only with flash attention on."""
+
+
 class MemoryKind(StrEnum):
     """What a model keeps per token, which decides where its state can be cut (`barreld.engine.memory`)."""
 

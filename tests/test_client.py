@@ -46,6 +46,24 @@ def test_typed_calls_and_their_errors(served: Sandbox) -> None:
         assert (e.value.status, e.value.code) == ("NOT_FOUND", EXIT_FAILED) and "nosuch" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("knobs", "needle"),
+    [
+        ({"n_threads": 0}, "bad n_threads 0"),
+        ({"n_gpu_layers": -2}, "bad n_gpu_layers -2"),
+        ({"type_k": "q3_k"}, "bad type_k 'q3_k'"),
+        ({"type_v": "q4_0"}, "bad type_v 'q4_0': a quantised V cache needs flash_attn"),
+        ({"type_v": "q4_0", "flash_attn": False}, "needs flash_attn"),
+    ],
+)
+def test_the_daemon_refuses_bad_model_knobs_itself(served: Sandbox, knobs: dict, needle: str) -> None:
+    """What barrelctl checks before sending, the daemon checks again for any other client."""
+    with served.client() as c, pytest.raises(ClientError) as e:
+        c.load("smollm2", **knobs)
+    assert (e.value.status, e.value.code) == ("INVALID_ARGUMENT", EXIT_USAGE) and needle in e.value.details
+    assert served.client().models() == []
+
+
 def test_shutdown_stops_the_daemon(world: Sandbox) -> None:
     proc = world.start_daemon()
     with world.client() as c:

@@ -1,9 +1,10 @@
 """What each llama.cpp memory kind lets a cache do, measured on one model of each kind.
 
 full (SmolLM2, llama), swa (Gemma 3 270M, window 512), recurrent (tiny Mamba) and hybrid (tiny LFM2). These
-pin the facts that reuse rules rest on: which cuts give the cold logits, what llama.cpp reports after a cut
-or a restore, and what a partial (SWA-only or recurrent-only) snapshot repairs. The engine does not expose
-these calls yet, so the tests reach llama.cpp through the backend's handles.
+pin the facts the reuse rules of barreld.engine.memory rest on: which cuts give the cold logits, what
+llama.cpp reports after a cut or a restore (the backend's seq_pos_range), and what a partial (SWA-only or
+recurrent-only) snapshot repairs. Where the backend has no call for it (seq_rm's own answer, partial
+snapshots), the tests reach llama.cpp through the backend's handles.
 
 Every prefill is split at absolute multiples of CHUNK, in batches of two tokens or more: Gemma's logits
 depend on the batch split even with flash attention off, so warm and cold runs are compared only where
@@ -86,7 +87,7 @@ def prefill(b: LlamaBackend, tokens: list[int], start: int, end: int, chunk: int
 
 
 def pos_range(b: LlamaBackend) -> tuple[int, int]:
-    return b._L.llama_memory_seq_pos_min(b._mem, 0), b._L.llama_memory_seq_pos_max(b._mem, 0)
+    return b.seq_pos_range(0)
 
 
 def seq_rm(b: LlamaBackend, p0: int) -> bool:
@@ -163,6 +164,7 @@ def test_llama_cpp_reports_the_memory_kind(runs: Callable[[str], Run], kind: str
     L, m = run.b._L, run.b._model
     got = (L.llama_model_n_swa(m), L.llama_model_is_recurrent(m), L.llama_model_is_hybrid(m), L.llama_model_n_layer(m))
     assert got == run.case.kind
+    assert (run.b.memory, run.b.swa_window) == (kind, run.case.kind[0])
 
 
 @pytest.mark.parametrize("kind", CASES)

@@ -36,6 +36,8 @@ ROW_FIELDS = {
     "tokens": int,
     "text_bytes": int,
     "save_reason": str,
+    "memory": str,
+    "frontier": int,
     "status": str,
     "refcount": int,
     "hits": int,
@@ -154,7 +156,7 @@ def test_dump_human_table(ops: Sandbox) -> None:
     rows = dump(ops)
     wide = ok(ops.ctl("cache", "dump", COLUMNS="200")).out
     assert f"{len(rows)} rows" in wide
-    for heading in ("key", "model", "tier", "size", "tokens", "reason", "refs", "hits", "last used"):
+    for heading in ("key", "model", "memory", "tier", "size", "tokens", "reason", "refs", "hits", "last used"):
         assert heading in wide
     for r in rows:
         assert r["key"][:12] in wide
@@ -280,6 +282,11 @@ def test_gc_evicts_every_unreferenced_row(ops: Sandbox) -> None:
         (("cache", "evict-bytes", "1K", "--tier", "floppy"), "floppy"),
         (("cache", "evict-bytes", "1K", "--tier", "disk", "--tier", "RAM"), "RAM"),
         (("cache", "dump", "--tier", "tape"), "tape"),
+        (("load", "m", "--n-threads", "0"), "--n-threads 0"),
+        (("load", "m", "--n-gpu-layers", "-2"), "--n-gpu-layers -2"),
+        (("load", "m", "--type-k", "q3_k"), "--type-k 'q3_k'"),
+        (("load", "m", "--type-v", "q4_0"), "--type-v 'q4_0': a quantised V cache needs --flash-attn"),
+        (("load", "m", "--type-v", "q4_0", "--no-flash-attn"), "--type-v 'q4_0'"),
     ],
 )
 def test_bad_size_or_tier_exits_2_naming_the_value(world: Sandbox, args, needle) -> None:
@@ -325,6 +332,10 @@ BAD_CONFIGS = [
     ("unreadable-root", "[tiers.disk]\nroot = '{locked}'\n", "tiers.disk.root", "not readable, writable"),
     ("root-is-a-file", "[tiers.disk]\nroot = '{afile}'\n", "tiers.disk.root", "not a directory"),
     ("toml-syntax", "[policy\nmin_tokens = 1\n", "line 1, column 8", "TOML syntax error"),
+    ("zero-threads", '[[models]]\nname = "smollm2"\nn_threads = 0\n', "models[0].n_threads", ">= 1"),
+    ("gpu-layers", '[[models]]\nname = "smollm2"\nn_gpu_layers = -2\n', "models[0].n_gpu_layers", ">= -1"),
+    ("cache-type", '[[models]]\nname = "smollm2"\ntype_k = "fp8"\n', "models[0].type_k", "unknown cache type"),
+    ("quantised-v", '[[models]]\nname = "smollm2"\ntype_v = "q4_0"\n', "models[0].type_v", "flash_attn = true"),
 ]
 
 

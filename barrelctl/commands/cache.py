@@ -49,11 +49,12 @@ def cache_dump(
         return
     render.table(
         f"{len(rows)} rows ({render.size(sum(r['size'] for r in rows))})",
-        ("key", "model", "tier", "size", "tokens", "reason", "refs", "hits", "last used"),
+        ("key", "model", "memory", "tier", "size", "tokens", "reason", "refs", "hits", "last used"),
         (
             (
                 r["key"][:12],
                 r["model"],
+                r["memory"],
                 r["tier"],
                 render.size(r["size"]),
                 r["tokens"],

@@ -10,7 +10,28 @@ import typer
 from barrelctl import render, state
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
-from barreld.names import TIER_NAMES
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES
+
+NThreads = Annotated[int | None, typer.Option("--n-threads", help="CPU threads (default: the usable cores).")]
+NGpuLayers = Annotated[
+    int | None,
+    typer.Option("--n-gpu-layers", help="Layers to offload to the GPU: -1 all the build can (default), 0 none."),
+]
+FlashAttn = Annotated[
+    bool | None,
+    typer.Option(
+        "--flash-attn/--no-flash-attn", help="Flash attention (default: off). Needed for a quantised V cache."
+    ),
+]
+TypeK = Annotated[str | None, typer.Option("--type-k", help=f"K cache type: {', '.join(KV_CACHE_TYPES)}.")]
+TypeV = Annotated[str | None, typer.Option("--type-v", help="V cache type (quantised ones need --flash-attn).")]
+SwaFull = Annotated[
+    bool | None,
+    typer.Option(
+        "--swa-full/--no-swa-full",
+        help="Keep every sliding-window cell in the live context, so live cuts stay exact (default: on).",
+    ),
+]
 
 
 def model_json(m) -> dict:
@@ -29,7 +50,40 @@ def model_json(m) -> dict:
         "live": m.live,
         "default": m.is_default,
         "policy": dict(m.policy),
+        "memory": m.memory,
+        "swa_window": m.swa_window,
+        "reuse": m.reuse,
+        "n_threads": m.n_threads,
+        "n_gpu_layers": m.n_gpu_layers,
+        "gpu_layers": m.gpu_layers,
+        "flash_attn": m.flash_attn,
+        "type_k": m.type_k,
+        "type_v": m.type_v,
+        "swa_full": m.swa_full,
+        "prefill_chunk": m.prefill_chunk,
     }
+
+
+def _check_context(tier: str | None, n_ctx: int | None, n_batch: int | None, n_seq_max: int | None) -> None:
+    if tier is not None and tier not in TIER_NAMES:
+        raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
+    for flag, value in (("--n-ctx", n_ctx), ("--n-batch", n_batch), ("--n-seq-max", n_seq_max)):
+        if value is not None and value < 1:
+            raise CliError(f"bad {flag} {value}: must be at least 1", EXIT_USAGE)
+
+
+def _check_knobs(
+    n_threads: int | None, n_gpu_layers: int | None, flash_attn: bool | None, type_k: str | None, type_v: str | None
+) -> None:
+    if n_threads is not None and n_threads < 1:
+        raise CliError(f"bad --n-threads {n_threads}: must be at least 1", EXIT_USAGE)
+    if n_gpu_layers is not None and n_gpu_layers < -1:
+        raise CliError(f"bad --n-gpu-layers {n_gpu_layers}: -1 (all), 0 (none) or a layer count", EXIT_USAGE)
+    for flag, value in (("--type-k", type_k), ("--type-v", type_v)):
+        if value is not None and value not in KV_CACHE_TYPES:
+            raise CliError(f"bad {flag} {value!r}: use one of {', '.join(KV_CACHE_TYPES)}", EXIT_USAGE)
+    if type_v is not None and type_v not in PLAIN_KV_TYPES and not flash_attn:
+        raise CliError(f"bad --type-v {type_v!r}: a quantised V cache needs --flash-attn", EXIT_USAGE)
 
 
 def _policy(items: list[str]) -> dict[str, str]:
@@ -58,14 +112,17 @@ def model_load(
     policy: Annotated[
         list[str] | None, typer.Option("--policy", help="Override a save policy gate, KEY=VALUE (repeatable).")
     ] = None,
+    n_threads: NThreads = None,
+    n_gpu_layers: NGpuLayers = None,
+    flash_attn: FlashAttn = None,
+    type_k: TypeK = None,
+    type_v: TypeV = None,
+    swa_full: SwaFull = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a model under NAME."""
-    if tier is not None and tier not in TIER_NAMES:
-        raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
-    for flag, value in (("--n-ctx", n_ctx), ("--n-batch", n_batch), ("--n-seq-max", n_seq_max)):
-        if value is not None and value < 1:
-            raise CliError(f"bad {flag} {value}: must be at least 1", EXIT_USAGE)
+    _check_context(tier, n_ctx, n_batch, n_seq_max)
+    _check_knobs(n_threads, n_gpu_layers, flash_attn, type_k, type_v)
     resolved = str(path.expanduser().resolve()) if path else ""
     info = state.client().load(
         name,
@@ -75,13 +132,25 @@ def model_load(
         n_batch=n_batch or 0,
         n_seq_max=n_seq_max or 0,
         policy=_policy(policy or []),
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        flash_attn=flash_attn,
+        type_k=type_k or "",
+        type_v=type_v or "",
+        swa_full=swa_full,
     )
     if state.want_json(json_out):
         render.print_json(model_json(info))
     else:
         render.out.print(
-            f"loaded [bold]{info.name}[/bold] ({info.quant}, n_ctx {info.n_ctx}, tier {info.tier}) from {info.path}"
+            f"loaded [bold]{info.name}[/bold] ({info.quant}, n_ctx {info.n_ctx}, tier {info.tier}, "
+            f"{_memory(info)} memory) from {info.path}"
         )
+
+
+def _memory(m) -> str:
+    """The memory kind as the table shows it: swa with its window."""
+    return f"{m.memory}({m.swa_window})" if m.swa_window else m.memory
 
 
 def model_unload(
@@ -104,7 +173,7 @@ def models_list(json_out: JsonOpt = False) -> None:
         return
     render.table(
         None,
-        ("name", "path", "fingerprint", "tier", "n_ctx", "state", "running", "queued", "live"),
+        ("name", "path", "fingerprint", "tier", "n_ctx", "memory", "reuse", "state", "running", "queued", "live"),
         (
             (
                 m.name + (" *" if m.is_default else ""),
@@ -112,6 +181,8 @@ def models_list(json_out: JsonOpt = False) -> None:
                 m.fingerprint[:12],
                 m.tier,
                 m.n_ctx,
+                _memory(m),
+                m.reuse,
                 m.state,
                 m.running,
                 m.queued,

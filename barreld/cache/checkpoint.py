@@ -12,7 +12,8 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
     40  8  u64 state length S
     48  8  u64 logits length L (a multiple of 4: float32)
     56  8  zero (reserved)
-    64  M  metadata: UTF-8 JSON {key, model, fingerprint, quant, ctx_params, save_reason, created, prefixes}
+    64  M  metadata: UTF-8 JSON {key, model, fingerprint, quant, ctx_params, save_reason, created, prefixes,
+                                    memory, frontier, logits_at (when the logits do not follow every token)}
         ..  zero padding to 8
         4N tokens, int32
         R  rendered prompt bytes
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from barreld.names import SAVE_REASONS
+from barreld.names import SAVE_REASONS, MemoryKind
 
 from .errors import CorruptCheckpoint
 from .key import KeyScheme
@@ -67,6 +68,9 @@ class Checkpoint:
     which this checkpoint is also findable; they travel in the file so a restart can rebuild them.
     `logits_at` says after how many tokens the logits were taken (None: after all of them); a finish
     checkpoint keeps its prompt's, so resending that prompt samples without evaluating anything.
+    `frontier` says how many leading tokens the state holds reusably (None: all of them): the key covers the
+    whole text (a finish checkpoint's generated reply too), the state only what was prefilled. `memory` is
+    the model's memory kind, which decides whether the state can serve a shorter prefix.
     """
 
     key: bytes
@@ -82,11 +86,18 @@ class Checkpoint:
     logits: Buffer | None = None
     prefixes: Sequence[tuple[bytes, int]] = field(default_factory=tuple)
     logits_at: int | None = None
+    frontier: int | None = None
+    memory: str = MemoryKind.FULL.value
 
     @property
     def logits_tokens(self) -> int:
         """How many leading tokens the stored logits follow."""
         return len(self.tokens) if self.logits_at is None else self.logits_at
+
+    @property
+    def frontier_tokens(self) -> int:
+        """How many leading tokens the state holds reusably."""
+        return len(self.tokens) if self.frontier is None else self.frontier
 
     @classmethod
     def build(
@@ -144,15 +155,22 @@ class _Plan:
     length: int
 
 
-def _plan(ckpt: Checkpoint) -> _Plan:
-    """Validate a checkpoint and lay it out; cheap (no payload bytes are touched)."""
+def _check(ckpt: Checkpoint, n_tokens: int) -> None:
+    """Refuses fields that would write a file `decode` rejects."""
     if ckpt.save_reason not in SAVE_REASONS:
         raise ValueError(f"save_reason {ckpt.save_reason!r} is not one of {', '.join(SAVE_REASONS)}")
     if len(ckpt.key) != 32 or len(ckpt.fingerprint) != 32:
         raise ValueError("key and fingerprint must be 32 bytes each")
+    if ckpt.memory not in set(MemoryKind) or not 0 <= ckpt.frontier_tokens <= n_tokens:
+        raise ValueError(f"memory {ckpt.memory!r} and frontier {ckpt.frontier} do not describe the state")
+
+
+def _plan(ckpt: Checkpoint) -> _Plan:
+    """Validate a checkpoint and lay it out; cheap (no payload bytes are touched)."""
     tokens = ckpt.tokens if isinstance(ckpt.tokens, array) and ckpt.tokens.typecode == "i" else None
     if tokens is None:
         tokens = array("i", ckpt.tokens)
+    _check(ckpt, len(tokens))
     rendered = memoryview(ckpt.rendered).cast("B")
     state = memoryview(ckpt.state).cast("B")
     logits = memoryview(ckpt.logits if ckpt.logits is not None else b"").cast("B")
@@ -170,6 +188,8 @@ def _plan(ckpt: Checkpoint) -> _Plan:
             "save_reason": ckpt.save_reason,
             "created": float(ckpt.created),
             "prefixes": [[bytes(k).hex(), int(n)] for k, n in ckpt.prefixes],
+            "memory": ckpt.memory,
+            "frontier": ckpt.frontier_tokens,
         },
         separators=(",", ":"),
     ).encode()
@@ -250,6 +270,9 @@ def decode(buf: Buffer) -> Checkpoint:
         meta = json.loads(bytes(mv[_HEADER.size : _HEADER.size + meta_len]))
         tokens = array("i")
         tokens.frombytes(mv[tokens_at:rendered_at])
+        frontier, memory = int(meta.get("frontier", n_tokens)), MemoryKind(meta.get("memory", MemoryKind.FULL))
+        if not 0 <= frontier <= n_tokens:
+            raise ValueError(f"frontier {frontier} outside the {n_tokens} tokens")
         return Checkpoint(
             key=bytes.fromhex(meta["key"]),
             model=meta["model"],
@@ -264,6 +287,8 @@ def decode(buf: Buffer) -> Checkpoint:
             logits=mv[logits_at : logits_at + l_len] if flags & _FLAG_LOGITS else None,
             prefixes=tuple((bytes.fromhex(k), int(n)) for k, n in meta["prefixes"]),
             logits_at=int(meta["logits_at"]) if "logits_at" in meta else None,
+            frontier=frontier,
+            memory=memory.value,
         )
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"bad metadata: {e}") from e

@@ -22,6 +22,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "corrupt_files",
     "longest_prefix_probes",
     "resume_waits",
+    "reuse_refused",
     "lookup_ns",
     "restore_ns",
     "save_ns",

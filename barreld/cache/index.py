@@ -71,7 +71,7 @@ AVAILABLE = "available"
 _STATUS_CODES = {RESERVED: 0, AVAILABLE: 1}
 _STATUSES = {code: name for name, code in _STATUS_CODES.items()}
 
-_ROW_HEAD = struct.Struct("<BBqIqqQdqII")
+_ROW_HEAD = struct.Struct("<BBqIqqQdqIII")
 _ROW_ALIAS = struct.Struct("<32sI")
 _LRU = struct.Struct(">BQ32s")
 _RANKED = struct.Struct(">BI32sI")
@@ -105,12 +105,17 @@ class Row:
     owner: int = 0
     token: str = ""
     aliases: tuple[tuple[bytes, int], ...] = ()
+    memory: str = "full"  # the model's memory kind
+    frontier: int = 0  # leading tokens the state holds reusably (the key covers all `tokens`)
 
     def encode(self) -> bytes:
-        """Format 2: `_ROW_HEAD` (format, status, numbers, string and alias counts), then model, tier,
-        save_reason, location ('' for none) and token joined by NUL, which none of them can hold, then
-        the (alias key, n_tokens) pairs. Binary, so open decodes 100,000 rows in a fraction of a second."""
-        strings = "\0".join((self.model, self.tier, self.save_reason, self.location or "", self.token)).encode()
+        """Format 2: `_ROW_HEAD` (format, status, numbers, string and alias counts, frontier), then model,
+        tier, save_reason, location ('' for none), token and memory kind joined by NUL, which none of them
+        can hold, then the (alias key, n_tokens) pairs. Binary, so open decodes 100,000 rows in a fraction
+        of a second."""
+        strings = "\0".join(
+            (self.model, self.tier, self.save_reason, self.location or "", self.token, self.memory)
+        ).encode()
         head = _ROW_HEAD.pack(
             INDEX_FORMAT,
             _STATUS_CODES[self.status],
@@ -123,13 +128,14 @@ class Row:
             self.owner,
             len(strings),
             len(self.aliases),
+            self.frontier,
         )
         return b"".join((head, strings, *(_ROW_ALIAS.pack(a, n) for a, n in self.aliases)))
 
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> Row:
         """The row stored under `key`; RowFormatError for anything but a well-formed format 2 row."""
-        head, (model, tier, save_reason, location, token), end = _unpack(key, raw)
+        head, (model, tier, save_reason, location, token, memory), end = _unpack(key, raw)
         return cls(
             key=bytes(key),
             model=model,
@@ -146,6 +152,8 @@ class Row:
             owner=head[8],
             token=token,
             aliases=tuple(_ROW_ALIAS.iter_unpack(raw[end:])),
+            memory=memory,
+            frontier=head[11],
         )
 
 
@@ -170,7 +178,7 @@ class RowHead(NamedTuple):
 
 
 def _unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
-    """A format 2 row's `_ROW_HEAD` fields, its five strings and where its aliases start; RowFormatError
+    """A format 2 row's `_ROW_HEAD` fields, its six strings and where its aliases start; RowFormatError
     for anything else."""
     try:
         head = _ROW_HEAD.unpack_from(raw)
@@ -178,7 +186,7 @@ def _unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
         fields = raw[_ROW_HEAD.size : end].decode().split("\0")
     except (struct.error, UnicodeDecodeError) as e:
         raise RowFormatError(f"unreadable index row {bytes(key).hex()}: {e}") from None
-    if head[0] != INDEX_FORMAT or head[1] not in _STATUSES or len(fields) != 5:
+    if head[0] != INDEX_FORMAT or head[1] not in _STATUSES or len(fields) != 6:
         raise RowFormatError(f"index row {bytes(key).hex()} is not a format {INDEX_FORMAT} row")
     if len(raw) != end + head[10] * _ROW_ALIAS.size:
         raise RowFormatError(f"index row {bytes(key).hex()} has a torn alias list")
@@ -242,6 +250,7 @@ class Hit:
     tier: str
     total_tokens: int
     text_bytes: int = 0  # rendered bytes of the whole checkpoint (all total_tokens)
+    frontier: int = 0  # leading tokens its state holds reusably
 
 
 @dataclass(frozen=True)
@@ -253,9 +262,7 @@ class Reservation:
     evicted: int = 0
 
 
-def valid_aliases(
-    key: bytes, tokens: int, aliases: Iterable[tuple[bytes, int]]
-) -> tuple[tuple[bytes, int], ...]:
+def valid_aliases(key: bytes, tokens: int, aliases: Iterable[tuple[bytes, int]]) -> tuple[tuple[bytes, int], ...]:
     """The aliases worth indexing for a row of `tokens` tokens: proper prefixes, no self-alias, sorted."""
     return tuple(sorted({(bytes(a), int(n)) for a, n in aliases if bytes(a) != key and 0 < int(n) <= tokens}))
 
@@ -762,7 +769,17 @@ class Index:
         return chosen
 
     def reserve(
-        self, key: bytes, tier: str, size: int, *, model: str, tokens: int, text_bytes: int, save_reason: str
+        self,
+        key: bytes,
+        tier: str,
+        size: int,
+        *,
+        model: str,
+        tokens: int,
+        text_bytes: int,
+        save_reason: str,
+        memory: str = "full",
+        frontier: int | None = None,
     ) -> Reservation:
         """Claim `key` for one writer and `size` bytes of `tier`, evicting that tier's LRU rows to fit."""
         self._drain_touches()
@@ -788,6 +805,8 @@ class Index:
                     tokens=tokens,
                     text_bytes=text_bytes,
                     save_reason=save_reason,
+                    memory=memory,
+                    frontier=tokens if frontier is None else frontier,
                     status=RESERVED,
                     last_used_ns=self.now_ns(),
                     created=time.time(),
@@ -802,9 +821,7 @@ class Index:
         row = self.get(key)
         return row is not None and row.status == RESERVED and row.token == token
 
-    def mark_available(
-        self, key: bytes, token: str, location: str, aliases: Iterable[tuple[bytes, int]]
-    ) -> bool:
+    def mark_available(self, key: bytes, token: str, location: str, aliases: Iterable[tuple[bytes, int]]) -> bool:
         """Publish a reserved row; False (nothing changed) if the reservation is no longer ours."""
         with self.write() as b:
             row = b.get(key)
@@ -914,7 +931,7 @@ class Index:
             if raw is not None:
                 row = Row.decode(key, raw)
                 if row.status == AVAILABLE:
-                    return Hit(key, row.tokens, row.tier, row.tokens, row.text_bytes)
+                    return Hit(key, row.tokens, row.tier, row.tokens, row.text_bytes, row.frontier)
             cur = txn.cursor(db=self._prefixes)
             if not cur.set_key(key):
                 return None
@@ -923,7 +940,7 @@ class Index:
                 raw = txn.get(row_key, db=self._rows)
                 row = Row.decode(row_key, raw) if raw is not None else None
                 if row is not None and row.status == AVAILABLE:  # else inconsistent: `check` says so
-                    return Hit(row_key, n, row.tier, row.tokens, row.text_bytes)
+                    return Hit(row_key, n, row.tier, row.tokens, row.text_bytes, row.frontier)
         return None
 
     def rows(self) -> list[Row]:

@@ -179,25 +179,30 @@ def _gguf_tensor_offsets(r: _GGUFReader, n_tensors: int) -> list[int]:
     return offsets
 
 
-_CTX_LAYOUT_VERSION = 2
-_CTX_STRUCT = struct.Struct("<BIIIBBBdd")
+_CTX_LAYOUT_VERSION = 3
+_CTX_STRUCT = struct.Struct("<BIIIBBBddII")
 
 
 @dataclass(frozen=True)
 class CtxParams:
     """The context parameters that change the bytes or layout of a sequence's KV state, and no others.
 
-    Measured with the bundled model (tests/test_ctx_params.py): the same prompt's state is byte-identical
-    across n_batch, n_threads and n_ctx, and differs with the K type, flash attention and the number of
-    KV streams; llama.cpp refuses a state whose stream count differs from the context's.
+    Measured with the real models (tests/test_ctx_params.py): the same prompt's state is byte-identical
+    across n_batch, n_threads and n_ctx, and differs with the K and V types, flash attention, the number of
+    KV streams, and (on models whose kernels depend on the batch split) the prefill chunk size; llama.cpp
+    refuses a state whose stream count differs from the context's.
 
     kv_streams: one KV stream per sequence (n_seq_max, when the cache is not unified), else 1: the
       state header records it and a restore into another stream count is refused.
     type_k, type_v: ggml type ids of the K and V caches (f16, q8_0, ...): the element encoding.
-    flash_attn: with flash attention V is stored untransposed; the state's V bytes differ.
+    flash_attn: with flash attention V is stored untransposed, and the floats depend on the batch split.
     rope_freq_base, rope_freq_scale: RoPE is applied to K before it is cached, so they change K's values.
     kv_unified: one unified cell buffer versus one stream per sequence: a different state layout.
-    swa_full: whether sliding-window layers keep every cell or only the window: different cells saved.
+    swa_full: whether sliding-window layers keep every cell or only a ring: another cell order, other floats.
+    prefill_chunk: every prefill splits at multiples of it; where batches split changes the floats on some
+      models (flash attention on, repacked quantised kernels).
+    gpu_layers: layers actually offloaded (0 on a CPU-only build whatever was asked): GPU kernels compute
+      other floats than the CPU's.
 
     Deliberately NOT included, because they change how work is scheduled or how much fits, not the
     bytes of a prompt's state: n_ctx, n_batch, n_ubatch, n_threads, and the sampling seed. (A state too
@@ -212,10 +217,13 @@ class CtxParams:
     rope_freq_scale: float
     kv_unified: bool
     swa_full: bool
+    prefill_chunk: int = 0
+    gpu_layers: int = 0
 
     def encode(self) -> bytes:
-        """32 bytes, little-endian: u8 layout version (2), u32 kv_streams, u32 type_k, u32 type_v,
-        u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale."""
+        """40 bytes, little-endian: u8 layout version (3), u32 kv_streams, u32 type_k, u32 type_v,
+        u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale,
+        u32 prefill_chunk, u32 gpu_layers."""
         try:
             return _CTX_STRUCT.pack(
                 _CTX_LAYOUT_VERSION,
@@ -227,6 +235,8 @@ class CtxParams:
                 bool(self.swa_full),
                 float(self.rope_freq_base),
                 float(self.rope_freq_scale),
+                self.prefill_chunk,
+                self.gpu_layers,
             )
         except struct.error as e:
             raise ValueError(f"context parameter out of range: {e}") from e

@@ -34,7 +34,7 @@ from barreld.names import REDIS_TIER, TIER_NAMES
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Row, RowHead, valid_aliases
+from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Reservation, Row, RowHead, valid_aliases
 from .tiers import FileTier, RamTier, Tier, lock_file
 from .writer import WriterPool
 
@@ -304,6 +304,8 @@ class CacheStore:
                         created=ckpt.created,
                         location=location,
                         aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
+                        memory=ckpt.memory,
+                        frontier=ckpt.frontier_tokens,
                     )
                 )
         if fits:
@@ -372,6 +374,21 @@ class CacheStore:
         with self._plock:
             return self._pending.get(key)
 
+    @staticmethod
+    def _reserve(index: Index, ckpt: Checkpoint, tier_name: str, size: int) -> Reservation:
+        """The row's reservation, with what lookups judge it by before any file is read."""
+        return index.reserve(
+            ckpt.key,
+            tier_name,
+            size,
+            model=ckpt.model,
+            tokens=len(ckpt.tokens),
+            text_bytes=len(ckpt.rendered),
+            save_reason=ckpt.save_reason,
+            memory=ckpt.memory,
+            frontier=ckpt.frontier_tokens,
+        )
+
     def _publish(self, ckpt: Checkpoint, tier_name: str, size: int) -> SaveOutcome:
         """The publish protocol, run on a writer thread."""
         t0 = time.perf_counter_ns()
@@ -379,15 +396,7 @@ class CacheStore:
         tier = self._tiers[tier_name]
         key = ckpt.key
         try:
-            res = index.reserve(
-                key,
-                tier_name,
-                size,
-                model=ckpt.model,
-                tokens=len(ckpt.tokens),
-                text_bytes=len(ckpt.rendered),
-                save_reason=ckpt.save_reason,
-            )
+            res = self._reserve(index, ckpt, tier_name, size)
         except IndexWriteError as e:
             return self._failed(key, tier_name, e)
         if res.evicted:
@@ -565,6 +574,8 @@ class CacheStore:
                 "tokens": r.tokens,
                 "text_bytes": r.text_bytes,
                 "save_reason": r.save_reason,
+                "memory": r.memory,
+                "frontier": r.frontier,
                 "status": r.status,
                 "refcount": index.refcount(r.key),
                 "hits": r.hits,

@@ -9,6 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
+from barreld.names import MemoryKind
+
 
 class BackendError(Exception):
     """llama.cpp refused an operation (decode failed, a state did not fit, ...)."""
@@ -32,6 +34,7 @@ class ContextSettings:
     n_batch: int = 512
     n_seq_max: int = 1
     n_threads: int = 0  # 0: the number of usable cores
+    n_gpu_layers: int = -1  # layers to offload: -1 all that the build can, 0 none
     type_k: int = 1  # GGML_TYPE_F16
     type_v: int = 1
     flash_attn: bool = False
@@ -51,6 +54,12 @@ class Backend(Protocol):
     ftype: int
     rope_freq_base: float
     rope_freq_scale: float
+    # What the model keeps per token (see barreld.engine.memory), and what changes the floats it computes.
+    memory: MemoryKind
+    swa_window: int  # tokens a sliding-window layer sees; 0 without one
+    swa_full: bool  # the whole SWA cache is kept in the live context (only meaningful with a window)
+    mrope: bool  # M-RoPE: each cell of a state carries extra position bytes
+    gpu_layers: int  # layers actually offloaded: 0 on a build without GPU support, whatever was asked
 
     def tokenize(self, data: bytes) -> list[int]: ...
 
@@ -67,6 +76,9 @@ class Backend(Protocol):
         """A copy of the logits of batch position `index` of the last decode."""
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None: ...
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        """The smallest and largest position the sequence's memory reports holding; (-1, -1) when empty."""
 
     def state_get(self, seq: int) -> bytearray: ...
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
+from barreld.engine.memory import memory_kind
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,17 @@ def _llama():
     return llama_cpp
 
 
+def _context_hint(settings: ContextSettings) -> str:
+    """Why llama.cpp most likely refused the context: its own log, which says so, is silenced."""
+    plain = {KV_CACHE_TYPES[name] for name in PLAIN_KV_TYPES}
+    if settings.type_k in plain and settings.type_v in plain:
+        return ""
+    return (
+        ": a quantised K or V cache needs the model's attention head size to be a multiple of the type's"
+        " block size (32); try f16"
+    )
+
+
 class LlamaBackend:
     """One model and one context holding n_seq_max sequences of n_ctx cells each."""
 
@@ -53,6 +66,7 @@ class LlamaBackend:
         self.path = path
         self.settings = settings
         mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = settings.n_gpu_layers
         self._model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {path}: corrupt or unsupported GGUF")
@@ -61,6 +75,30 @@ class LlamaBackend:
         if settings.n_ctx > n_ctx_train:
             L.llama_model_free(self._model)
             raise ModelLoadError(f"n_ctx {settings.n_ctx} exceeds the model's training context {n_ctx_train}")
+        cparams = self._context_params(settings)
+        self._ctx = L.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise ModelLoadError(f"llama.cpp could not create a context for {path}{_context_hint(settings)}")
+        self._mem = L.llama_get_memory(self._ctx)
+        self.n_ctx = settings.n_ctx
+        self.n_batch = settings.n_batch
+        self.n_seq_max = settings.n_seq_max
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.ftype = L.llama_model_ftype(self._model)
+        self._describe_memory(settings)
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._piece_buf = ctypes.create_string_buffer(512)
+        self._pieces: dict[int, bytes] = {}
+        template = L.llama_model_chat_template(self._model, None)
+        self.chat_template = template.decode("utf-8", "replace") if template else None
+        self.bos_text = self._special_text(L.llama_vocab_bos(self._vocab))
+        self.eos_text = self._special_text(L.llama_vocab_eos(self._vocab))
+        self._warm_up()
+
+    def _context_params(self, settings: ContextSettings):
+        """llama.cpp's context parameters for these settings; records the RoPE values the key needs."""
+        L = self._L
         threads = settings.n_threads or len(os.sched_getaffinity(0))
         cparams = L.llama_context_default_params()
         cparams.n_ctx = settings.n_ctx * settings.n_seq_max
@@ -77,24 +115,19 @@ class LlamaBackend:
         cparams.no_perf = True
         self.rope_freq_base = float(cparams.rope_freq_base)
         self.rope_freq_scale = float(cparams.rope_freq_scale)
-        self._ctx = L.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            L.llama_model_free(self._model)
-            raise ModelLoadError(f"llama.cpp could not create a context for {path}")
-        self._mem = L.llama_get_memory(self._ctx)
-        self.n_ctx = settings.n_ctx
-        self.n_batch = settings.n_batch
-        self.n_seq_max = settings.n_seq_max
-        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
-        self.ftype = L.llama_model_ftype(self._model)
-        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self._piece_buf = ctypes.create_string_buffer(512)
-        self._pieces: dict[int, bytes] = {}
-        template = L.llama_model_chat_template(self._model, None)
-        self.chat_template = template.decode("utf-8", "replace") if template else None
-        self.bos_text = self._special_text(L.llama_vocab_bos(self._vocab))
-        self.eos_text = self._special_text(L.llama_vocab_eos(self._vocab))
-        self._warm_up()
+        return cparams
+
+    def _describe_memory(self, settings: ContextSettings) -> None:
+        """The memory kind from llama.cpp's own model flags, and what changes the floats it computes."""
+        L, m = self._L, self._model
+        self.swa_window = max(0, L.llama_model_n_swa(m))
+        self.memory = memory_kind(self.swa_window, L.llama_model_is_recurrent(m), L.llama_model_is_hybrid(m))
+        self.swa_full = bool(settings.swa_full) and self.swa_window > 0
+        self.mrope = L.llama_model_rope_type(m) in (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
+        # llama.cpp offloads the repeating layers and the output layer: n_layer + 1 in all.
+        offloadable = L.llama_model_n_layer(m) + 1 if L.llama_supports_gpu_offload() else 0
+        asked = settings.n_gpu_layers
+        self.gpu_layers = offloadable if asked < 0 else min(asked, offloadable)
 
     def _warm_up(self) -> None:
         """One small decode at load, so the first request does not pay for llama.cpp's lazy allocations."""
@@ -165,6 +198,10 @@ class LlamaBackend:
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
         if not self._L.llama_memory_seq_rm(self._mem, seq, p0, p1):
             raise BackendError(f"could not remove positions {p0}..{p1} of sequence {seq}")
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        L = self._L
+        return L.llama_memory_seq_pos_min(self._mem, seq), L.llama_memory_seq_pos_max(self._mem, seq)
 
     def state_get(self, seq: int) -> bytearray:
         size = self._L.llama_state_seq_get_size(self._ctx, seq)

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
 from barreld.cache.policy import Policy
-from barreld.engine.backend import BackendFactory, ContextSettings, ModelLoadError
+from barreld.engine.backend import Backend, BackendFactory, ContextSettings, ModelLoadError
 from barreld.engine.llama_backend import LlamaBackend
-from barreld.engine.model_cache import ModelCache
+from barreld.engine.memory import Memory
+from barreld.engine.model_cache import ModelCache, state_cutter
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
-from barreld.names import TIER_NAMES, model_name_problem
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, MemoryKind, model_name_problem
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
@@ -68,6 +69,25 @@ class LoadOptions:
     n_seq_max: int = 1
     policy: dict[str, str] = field(default_factory=dict)
     fingerprint: str = "gguf_chunked"
+    n_threads: int | None = None  # None: the usable cores
+    n_gpu_layers: int = -1  # -1: every layer the build can offload
+    flash_attn: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
+
+
+def check_model_knobs(opts: LoadOptions) -> None:
+    """Refuses a bad threading, offload or KV cache setting with one line naming it (InvalidArgument)."""
+    if opts.n_threads is not None and not 1 <= opts.n_threads <= 1024:
+        raise InvalidArgument(f"bad n_threads {opts.n_threads}: expected 1..1024")
+    if not -1 <= opts.n_gpu_layers <= 100_000:
+        raise InvalidArgument(f"bad n_gpu_layers {opts.n_gpu_layers}: expected -1 (all) or a layer count >= 0")
+    for what, value in (("type_k", opts.type_k), ("type_v", opts.type_v)):
+        if value not in KV_CACHE_TYPES:
+            raise InvalidArgument(f"bad {what} {value[:40]!r}: expected one of {', '.join(KV_CACHE_TYPES)}")
+    if opts.type_v not in PLAIN_KV_TYPES and not opts.flash_attn:
+        raise InvalidArgument(f"bad type_v {opts.type_v!r}: a quantised V cache needs flash_attn on")
 
 
 @dataclass
@@ -79,6 +99,32 @@ class LoadedModel:
     fingerprint: bytes
     quant: str
     worker: ModelWorker
+    memory: Memory
+    gpu_layers: int  # layers actually offloaded
+
+
+def model_memory(backend: Backend, chunk: int) -> Memory:
+    """The loaded model's memory rules; `chunk` is the prefill chunk size, at most n_batch."""
+    swa = backend.memory is MemoryKind.SWA
+    return Memory(
+        backend.memory, backend.swa_window if swa else 0, swa and backend.swa_full, min(chunk, backend.n_batch)
+    )
+
+
+def context_params(settings: ContextSettings, backend: Backend, memory: Memory) -> CtxParams:
+    """Everything of the context that changes a state's bytes, as the key holds it."""
+    return CtxParams(
+        kv_streams=settings.n_seq_max,
+        type_k=settings.type_k,
+        type_v=settings.type_v,
+        flash_attn=settings.flash_attn,
+        rope_freq_base=backend.rope_freq_base,
+        rope_freq_scale=backend.rope_freq_scale,
+        kv_unified=False,
+        swa_full=memory.kind is MemoryKind.SWA and memory.swa_full,
+        prefill_chunk=memory.chunk,
+        gpu_layers=backend.gpu_layers,
+    )
 
 
 class ModelRegistry:
@@ -117,7 +163,7 @@ class ModelRegistry:
             if self._default is None:
                 self._default = name
         log.info(
-            "loaded %s from %s (%s, fingerprint %s, n_ctx %d, n_seq_max %d, tier %s)",
+            "loaded %s from %s (%s, fingerprint %s, n_ctx %d, n_seq_max %d, tier %s, %s memory: %s)",
             name,
             path,
             model.quant,
@@ -125,6 +171,8 @@ class ModelRegistry:
             opts.n_ctx,
             opts.n_seq_max,
             opts.tier,
+            model.memory.kind,
+            model.memory.summary,
         )
         return model
 
@@ -147,6 +195,7 @@ class ModelRegistry:
                 f"bad n_batch {opts.n_batch}: it must hold one token of each of the n_seq_max ({opts.n_seq_max}) "
                 f"sequences plus prefill room, so at least {opts.n_seq_max + 8}"
             )
+        check_model_knobs(opts)
         try:
             return self.base_policy.with_overrides(opts.policy)
         except ValueError as exc:
@@ -156,23 +205,25 @@ class ModelRegistry:
         """Fingerprints the file, opens a backend on it and starts the model's worker."""
         if not path.is_file():
             raise NotFound(f"model file not found: {path}")
-        settings = ContextSettings(n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_seq_max=opts.n_seq_max)
+        settings = ContextSettings(
+            n_ctx=opts.n_ctx,
+            n_batch=opts.n_batch,
+            n_seq_max=opts.n_seq_max,
+            n_threads=opts.n_threads or 0,
+            n_gpu_layers=opts.n_gpu_layers,
+            type_k=KV_CACHE_TYPES[opts.type_k],
+            type_v=KV_CACHE_TYPES[opts.type_v],
+            flash_attn=opts.flash_attn,
+            swa_full=opts.swa_full is not False,
+        )
         try:
             fingerprint = self._fingerprint(path, opts.fingerprint)
             backend = self.backend_factory(path, settings)
         except (ModelLoadError, ValueError, OSError) as exc:
             raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
+        memory = model_memory(backend, policy.chunk_size(opts.n_batch) or opts.n_batch)
         quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
-        ctx_bytes = CtxParams(
-            kv_streams=settings.n_seq_max,
-            type_k=settings.type_k,
-            type_v=settings.type_v,
-            flash_attn=settings.flash_attn,
-            rope_freq_base=backend.rope_freq_base,
-            rope_freq_scale=backend.rope_freq_scale,
-            kv_unified=False,
-            swa_full=False,
-        ).encode()
+        ctx_bytes = context_params(settings, backend, memory).encode()
         cache = ModelCache(
             self.store,
             KeyScheme(fingerprint=fingerprint, quant=quant, ctx_params=ctx_bytes),
@@ -180,12 +231,15 @@ class ModelRegistry:
             opts.tier,
             policy,
             backend.state_get,
+            memory=memory,
+            pos_range=backend.seq_pos_range,
+            cut_state=state_cutter(backend, memory),
             fingerprint=fingerprint,
             quant=quant,
             ctx_params=ctx_bytes,
         )
         worker = ModelWorker(name, backend, cache, max_queue=self.max_queue)
-        return LoadedModel(name, path, opts, policy, fingerprint, quant, worker)
+        return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers)
 
     @staticmethod
     def _fingerprint(path: Path, mode: str) -> bytes:

@@ -99,6 +99,7 @@ class Request:
     pending: int | None = None  # sampled token not yet in the KV cache
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
+    snapshot_at: int = 0  # prompt length at which to copy the state of a memory that cannot be cut (0: none)
     prefill_started: float = 0.0
     first_token_at: float | None = None
 

@@ -1,4 +1,4 @@
-"""One llama.cpp sequence: the tokens whose KV it holds, and their rendering as bytes."""
+"""One llama.cpp sequence: its tokens, their rendering as bytes, and how many of them are reusable."""
 
 from __future__ import annotations
 
@@ -10,42 +10,61 @@ import numpy as np
 from barreld.engine.request import Request
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of a sequence's state when it held exactly its first `length` tokens, all prefilled, taken for a
+    memory that cannot be cut back; `logits` follow those tokens when they were the whole prompt."""
+
+    length: int
+    state: bytes | bytearray
+    logits: np.ndarray | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
+    """Its first `frontier` tokens were computed by prefill, split at the chunk boundaries every prefill uses,
+    so their KV is exactly what a cold prefill gives and may be reused. Tokens past the frontier were generated
+    one per batch (other KV than a prefill's) and are text only: the key of a save covers them, reuse never
+    does, and the KV may even lack the last of them."""
+
     id: int
     tokens: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=lambda: [0])  # offsets[i]: bytes rendered by tokens[:i]
     rendered: bytearray = field(default_factory=bytearray)
     request: Request | None = None
     last_used: float = field(default_factory=time.monotonic)
-    stored_key: bytes | None = None  # a checkpoint of exactly this state is stored or being written
-    logits: np.ndarray | None = None  # logits of the last position, when known
+    stored_key: bytes | None = None  # a checkpoint of exactly this text is stored or being written
+    frontier: int = 0
+    frontier_logits: np.ndarray | None = None  # logits after the frontier's last token, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
-    prompt_logits: np.ndarray | None = None  # logits after prompt_len tokens (its prefill's last row)
+    snapshot: Snapshot | None = None
 
     @property
     def idle(self) -> bool:
         return self.request is None
 
-    def append(self, token: int, piece: bytes) -> None:
+    def append(self, token: int, piece: bytes, prefilled: bool) -> None:
+        """Adds a token; a prefilled one moves the frontier when every token before it is prefilled too."""
+        if prefilled and self.frontier == len(self.tokens):
+            self.frontier += 1
+            self.frontier_logits = None
         self.tokens.append(token)
         self.rendered += piece
         self.offsets.append(len(self.rendered))
         self.stored_key = None
-        self.logits = None
 
     def truncate(self, n: int) -> None:
         if n < len(self.tokens):
             del self.tokens[n:]
             del self.offsets[n + 1 :]
             del self.rendered[self.offsets[-1] :]
-            if n < self.prompt_len:
-                self.prompt_len = n
-                self.prompt_logits = None
             self.stored_key = None
-            self.logits = None
+        if n < self.frontier:
+            self.frontier = n
+            self.frontier_logits = None
+        self.prompt_len = min(self.prompt_len, n)
+        if self.snapshot is not None and self.snapshot.length > n:
+            self.snapshot = None
 
     def clear(self) -> None:
         self.truncate(0)
-        self.prompt_len = 0
-        self.prompt_logits = None

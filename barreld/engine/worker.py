@@ -1,9 +1,13 @@
 """The per-model worker: one thread owns the llama.cpp context and serves every request for that model.
 
-Each tick builds one batch: the next token of every decoding sequence, then at most
-`prefill_chunk_size` prompt tokens of each prefilling one, within n_batch. Requests beyond
-n_seq_max wait in a bounded FIFO queue. A finished request's sequence stays live so the next
-turn can reuse it in place; it is saved (reason `evict`) and released only when its place is needed.
+Each tick builds one batch: the next token of every decoding sequence, then the next whole prefill chunk
+of each prefilling one (chunks end at multiples of the chunk size, see `barreld.engine.plan`), within
+n_batch; a chunk that does not fit beside the sampling steps goes into a prefill-only tick next. Requests
+beyond n_seq_max wait in a bounded FIFO queue. A finished request's sequence stays live so the next turn
+can reuse it in place; it is saved (reason `evict`) and released only when its place is needed.
+
+Every warm start is checked after it is placed: llama.cpp's own account of the sequence's positions must
+be what the memory kind needs (`Memory.holds`), or the sequence is cleared and the prompt prefilled cold.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 import numpy as np
 
 from barreld.engine import chat
-from barreld.engine.backend import Backend, BackendError, BatchItem
+from barreld.engine.backend import Backend, BackendError
 from barreld.engine.chat import Message
 from barreld.engine.model_cache import Found, ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
@@ -30,7 +34,7 @@ from barreld.engine.request import (
     Token,
 )
 from barreld.engine.sampling import Sampler
-from barreld.engine.sequence import Sequence
+from barreld.engine.sequence import Sequence, Snapshot
 from barreld.engine.stops import StopScanner
 from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
 from barreld.names import Route
@@ -118,9 +122,10 @@ class ModelWorker:
                             break
                 self._admit()
                 if self._active:
-                    self._tick()
-                    while self.cache.chunk_size(self.backend.n_batch) is None and self._prefilling():
-                        self._tick(prefill_only=True)  # no per-tick cap: the prefill runs to its end
+                    waited = self._tick()
+                    # A chunk that did not fit gets a prefill-only tick; uncapped, a prefill runs to its end.
+                    while (waited or self.cache.uncapped) and self._prefilling():
+                        waited = self._tick(prefill_only=True)
             self._shutdown_saved = self.cache.save_all(self.seqs, "shutdown")
         except Exception:
             log.exception("worker for %s crashed", self.name)
@@ -158,15 +163,19 @@ class ModelWorker:
         found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
         seq = found.seq if found.seq is not None else self._claim(idle)
-        kept = self._place(req, seq, found, tokens, rendered)
-        req.prompt_tokens = len(req.target)
-        seq.prompt_len = len(req.target)
+        req.target = tokens
+        kept = self._place(req, seq, found)
+        req.prompt_tokens = len(tokens)
+        seq.prompt_len = len(tokens)
         req.cache.route = found.route if kept > 0 else Route.MISS
         req.cache.restored_tokens = kept
-        req.cache.prefilled_tokens = len(req.target) - kept
+        req.cache.prefilled_tokens = len(tokens) - kept
         req.cache.tier = found.tier if kept > 0 and found.route is not Route.LIVE else None
-        self.cache.count_route(req.cache.route)
-        req.cold_at = self.cache.cold_boundary(len(req.target), kept)
+        self.cache.count(req.cache.route.counter)
+        req.cold_at = self.cache.cold_boundary(len(tokens), kept)
+        req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
+        if kept and req.snapshot_at == kept:
+            self._snapshot(seq)
         req.sampler = Sampler(req.params.temperature, req.params.seed)
         req.scanner = StopScanner(list(req.params.stop))
         req.prefill_started = time.perf_counter()
@@ -199,17 +208,28 @@ class ModelWorker:
                 f"shorten it or load the model with a larger --n-ctx"
             )
 
-    def _place(self, req: Request, seq: Sequence, found: Found, tokens: list[int], rendered: bytes) -> int:
-        """Gives seq to req with the found prefix in KV and req.target set; returns the tokens kept."""
+    def _place(self, req: Request, seq: Sequence, found: Found) -> int:
+        """Gives seq to req with the found prefix in its memory, checked; returns the tokens kept."""
         seq.request = req
         req.seq = seq.id
         try:
             t1 = time.perf_counter()
-            kept = self._restore(seq, found)
+            kept = self._live(seq, found) if found.route is Route.LIVE else self._restore(seq, found, req.target)
+            held = self.backend.seq_pos_range(seq.id)
+            if kept and not self.cache.memory.holds(kept, *held):
+                log.warning(
+                    "%s: a %s start of %d tokens left positions %d..%d in the sequence; prefilling instead",
+                    self.name,
+                    found.route,
+                    kept,
+                    *held,
+                )
+                self.cache.count("reuse_refused")
+                self.backend.seq_rm(seq.id, 0, -1)
+                seq.clear()
+                kept = 0
             req.timings.restore = time.perf_counter() - t1
-            req.target = seq.tokens[:kept] + self._suffix(seq, kept, tokens, rendered)
-            self._check_fits(len(req.target))
-            return self._settle(seq, kept, len(req.target))
+            return kept
         except Exception:
             self.backend.seq_rm(seq.id, 0, -1)  # whatever state is half set up, the sequence is free again
             seq.clear()
@@ -227,110 +247,99 @@ class ModelWorker:
         victim.clear()
         return victim
 
-    def _restore(self, seq: Sequence, found: Found) -> int:
-        """Puts the found prefix into seq; returns how many of its tokens are now in KV."""
-        if found.route is Route.LIVE:
-            if found.tokens < len(seq.tokens):
-                self.cache.save_sync(seq, "evict")  # the part about to be dropped may be stored nowhere else
-            self.backend.seq_rm(seq.id, found.tokens, -1)
-            seq.truncate(found.tokens)
-            return found.tokens
+    def _live(self, seq: Sequence, found: Found) -> int:
+        """Keeps the found prefix of a live sequence: cut back, or its snapshot put back."""
+        k = found.tokens
+        if not self.cache.keeps(seq, k):
+            self.cache.save_sync(seq, "evict")  # the part about to be dropped may be stored nowhere else
+        snap = found.snapshot
+        if snap is None:
+            self.backend.seq_rm(seq.id, k, -1)
+        else:
+            self.backend.state_set(seq.id, memoryview(snap.state))
+        seq.truncate(k)
+        if snap is not None and snap.logits is not None:
+            seq.frontier_logits = snap.logits
+        return k
+
+    def _restore(self, seq: Sequence, found: Found, tokens: list[int]) -> int:
+        """Puts the found checkpoint's reusable prefix into seq; returns how many tokens it holds now."""
         if seq.tokens:
             self.backend.seq_rm(seq.id, 0, -1)
             seq.clear()
         if found.hit is None:
             return 0
         with self.cache.restore(found.hit) as ckpt:
-            if ckpt is None:
+            k = 0 if ckpt is None else self.cache.usable(ckpt, found.hit, tokens)
+            if k == 0:
                 return 0
             try:
                 self.backend.state_set(seq.id, ckpt.state)
             except BackendError:
                 log.exception("restoring %s failed; prefilling instead", found.hit)
                 return 0
-            k = found.tokens
-            for t in ckpt.tokens[:k]:
-                seq.append(t, self.backend.piece(t))
-            if k < len(ckpt.tokens):
+            if k < len(ckpt.tokens) and self.cache.memory.cuts_states:
                 self.backend.seq_rm(seq.id, k, -1)
+            for t in ckpt.tokens[:k]:
+                seq.append(t, self.backend.piece(t), prefilled=True)
             if ckpt.logits is not None and ckpt.logits_tokens == k:
-                seq.logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
+                seq.frontier_logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
             return k
 
-    def _suffix(self, seq: Sequence, kept: int, tokens: list[int], rendered: bytes) -> list[int]:
-        """The prompt tokens after the kept prefix: the prompt's own when the prefix matches token for
-        token (so the result is the cold prefill's), else the remaining bytes tokenised on their own."""
-        if tokens[:kept] == seq.tokens[:kept]:
-            return tokens[kept:]
-        rest = rendered[seq.offsets[kept] :]
-        return self.backend.tokenize_tail(rest) if rest else []
-
-    def _settle(self, seq: Sequence, kept: int, target_len: int) -> int:
-        """Keeps at least two tokens to prefill unless stored logits cover the last position: a one-token batch
-        takes another kernel path in llama.cpp, and its logits differ from a batched prefill's."""
-        suffix = target_len - kept
-        if suffix == 0 and seq.logits is not None and kept == len(seq.tokens):
-            return kept
-        back = 2 if suffix == 0 else 1 if suffix == 1 else 0
-        new_kept = max(kept - back, 0)
-        if new_kept < 2:
-            new_kept = 0
-        if new_kept != kept:
-            self.backend.seq_rm(seq.id, new_kept, -1)
-            seq.truncate(new_kept)
-        return new_kept
+    def _snapshot(self, seq: Sequence) -> None:
+        """Copies the state of a memory that cannot be cut, at a point a later prompt can start from."""
+        if seq.snapshot is None or seq.snapshot.length != len(seq.tokens):
+            seq.snapshot = Snapshot(len(seq.tokens), self.backend.state_get(seq.id), seq.frontier_logits)
 
     def _prefilling(self) -> bool:
         return any(r.pending is None and len(self.seqs[r.seq].tokens) < len(r.target) for r in self._active)
 
-    def _tick(self, prefill_only: bool = False) -> None:
+    def _tick(self, prefill_only: bool = False) -> bool:
+        """One batch; returns whether a prefill chunk had to wait for room."""
         for req in [r for r in self._active if r.cancelled.is_set()]:
             self._finish(req, "cancelled")
+        self._sample_stored()
         active = list(self._active)
-        slots = [self._slot(r) for r in active]
-        cap = self.cache.chunk_size(self.backend.n_batch) or self.backend.n_batch
-        batch = plan_batch(slots, cap, self.backend.n_batch, prefill_only)
+        slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending) for r in active]
+        batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only)
         if not batch.items:
-            self._sample_stored()
-            return
+            return batch.waiting
         try:
             self.backend.decode(batch.items)
         except BackendError as exc:
             log.error("decode failed: %s", exc)
             for req in active:
                 self._fail(req, BarrelError(f"llama.cpp decode failed: {exc}"))
-            return
-        # Copy every logits row now: finishing a request decodes its last token, which overwrites them.
+            return False
+        # Copy every logits row now: a later decode in this tick's callbacks would overwrite them.
         logits = {idx: self.backend.logits(idx) for _, idx in (*batch.prefills, *batch.samples)}
         for i, idx in batch.prefills:
             self._prefilled(active[i], batch.items[idx].pos + 1, logits[idx])
         for i, idx in batch.samples:
             self._sampled(active[i], logits[idx])
-
-    def _slot(self, req: Request) -> Slot:
-        return Slot(req.seq, len(self.seqs[req.seq].tokens), req.target, req.pending, req.cold_at)
+        return batch.waiting
 
     def _prefilled(self, req: Request, end: int, logits: np.ndarray) -> None:
-        """The prompt is in KV up to `end`: a cold checkpoint there if due, sampling if it is all in."""
+        """The prompt is in the sequence up to `end`, a chunk boundary: a cold checkpoint or a snapshot there
+        if due, sampling if it is all in."""
         seq = self.seqs[req.seq]
         for t in req.target[len(seq.tokens) : end]:
-            seq.append(t, self.backend.piece(t))
-        if req.cold_at is not None and len(seq.tokens) == req.cold_at:
-            seq.logits = logits
+            seq.append(t, self.backend.piece(t), prefilled=True)
+        seq.frontier_logits = logits
+        if end == req.cold_at:
             self.cache.save_async(seq, "cold")
-            req.cold_at = None
-        if len(seq.tokens) == len(req.target):
-            seq.prompt_logits = logits
+        if end == req.snapshot_at:
+            self._snapshot(seq)
+        if end == len(req.target):
             req.timings.prefill = time.perf_counter() - req.prefill_started
             self._take(req, logits)
 
     def _sampled(self, req: Request, logits: np.ndarray) -> None:
         """The pending token is in KV now; a continued checkpoint if due, then the next token."""
         seq = self.seqs[req.seq]
-        seq.append(req.pending, self.backend.piece(req.pending))
+        seq.append(req.pending, self.backend.piece(req.pending), prefilled=False)
         req.pending = None
         if self.cache.continued_due(req.generated):
-            seq.logits = logits
             self.cache.save_async(seq, "continued")
         self._take(req, logits)
 
@@ -338,10 +347,10 @@ class ModelWorker:
         """Requests whose whole prompt was restored with its last logits sample without a decode."""
         for req in list(self._active):
             seq = self.seqs[req.seq]
-            if req.pending is None and len(seq.tokens) == len(req.target) and seq.logits is not None:
-                seq.prompt_logits = seq.logits
+            whole = req.generated == 0 and req.pending is None and seq.frontier == len(req.target)
+            if whole and seq.frontier_logits is not None:
                 req.timings.prefill = time.perf_counter() - req.prefill_started
-                self._take(req, seq.logits)
+                self._take(req, seq.frontier_logits)
 
     def _take(self, req: Request, logits: np.ndarray) -> None:
         """Samples the next token, streams its text, and finishes the request when a limit is reached."""
@@ -369,7 +378,8 @@ class ModelWorker:
             req.pending = token
 
     def _finish(self, req: Request, reason: str, last: int | None = None) -> None:
-        """Puts the last sampled token into KV, hands the finish save to the writers, then answers.
+        """Appends the last sampled token to the sequence's text, hands the finish save to the writers, then
+        answers.
 
         The save is queued before the client hears Done, so a next turn that resumes from this
         checkpoint finds it stored or in flight (and waits for it), never missing.
@@ -382,15 +392,9 @@ class ModelWorker:
         tail = b"" if req.scanner.stopped else req.scanner.flush()
         if tail:
             req.events.put(Token(tail))
-        if len(seq.tokens) < len(req.target):
-            last = None  # cancelled mid-prefill: keep only what was evaluated
-        if last is not None and len(seq.tokens) + 1 < self.backend.n_ctx:
-            try:
-                self.backend.decode([BatchItem(last, len(seq.tokens), seq.id, True)])
-                seq.append(last, self.backend.piece(last))
-                seq.logits = self.backend.logits(0)
-            except BackendError as exc:
-                log.error("could not evaluate the last token of request %d: %s", req.id, exc)
+        if last is not None and len(seq.tokens) >= len(req.target):
+            # Text only: a generated token's KV is never reused, so it is not evaluated (see Sequence).
+            seq.append(last, self.backend.piece(last), prefilled=False)
         self.cache.save_async(seq, "finish")
         req.timings.total = time.perf_counter() - req.submitted
         t = req.timings

@@ -113,7 +113,7 @@ class CompleteEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[CompleteStarted, _Mapping]] = ..., token: _Optional[_Union[CompleteToken, _Mapping]] = ..., done: _Optional[_Union[CompleteDone, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint")
+    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,12 @@ class LoadModelRequest(_message.Message):
     N_SEQ_MAX_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    N_THREADS_FIELD_NUMBER: _ClassVar[int]
+    N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TYPE_K_FIELD_NUMBER: _ClassVar[int]
+    TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    SWA_FULL_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     tier: str
@@ -137,10 +143,16 @@ class LoadModelRequest(_message.Message):
     n_seq_max: int
     policy: _containers.ScalarMap[str, str]
     fingerprint: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    n_threads: int
+    n_gpu_layers: int
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    swa_full: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default")
+    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +174,17 @@ class ModelInfo(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUANT_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    N_THREADS_FIELD_NUMBER: _ClassVar[int]
+    N_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TYPE_K_FIELD_NUMBER: _ClassVar[int]
+    TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    SWA_FULL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     fingerprint: str
@@ -176,7 +199,18 @@ class ModelInfo(_message.Message):
     policy: _containers.ScalarMap[str, str]
     quant: str
     is_default: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ...) -> None: ...
+    memory: str
+    swa_window: int
+    reuse: str
+    n_threads: int
+    n_gpu_layers: int
+    gpu_layers: int
+    flash_attn: bool
+    type_k: str
+    type_v: str
+    swa_full: bool
+    prefill_chunk: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class UnloadModelRequest(_message.Message):
     __slots__ = ("name",)
@@ -201,7 +235,7 @@ class ListModelsReply(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CacheRow(_message.Message):
-    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location")
+    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location", "memory", "frontier")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +249,8 @@ class CacheRow(_message.Message):
     LAST_USED_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    FRONTIER_FIELD_NUMBER: _ClassVar[int]
     key: str
     model: str
     tier: str
@@ -228,7 +264,9 @@ class CacheRow(_message.Message):
     last_used: float
     created: float
     location: str
-    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ...) -> None: ...
+    memory: str
+    frontier: int
+    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ..., memory: _Optional[str] = ..., frontier: _Optional[int] = ...) -> None: ...
 
 class CacheDumpRequest(_message.Message):
     __slots__ = ("model", "tier")

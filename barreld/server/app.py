@@ -128,6 +128,7 @@ class Daemon:
                 n_seq_max=m.n_seq_max or 1,
                 policy=m.policy.as_dict(),
                 fingerprint=fp,
+                **m.knobs(),
             )
             try:
                 self.registry.load(m.name, opts)

@@ -105,6 +105,17 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         policy={k: str(v) for k, v in m.policy.as_dict().items()},
         quant=m.quant,
         is_default=m.name == default,
+        memory=m.memory.kind.value,
+        swa_window=m.memory.window,
+        reuse=m.memory.summary,
+        n_threads=m.options.n_threads or 0,
+        n_gpu_layers=m.options.n_gpu_layers,
+        gpu_layers=m.gpu_layers,
+        flash_attn=m.options.flash_attn,
+        type_k=m.options.type_k,
+        type_v=m.options.type_v,
+        swa_full=m.memory.swa_full,
+        prefill_chunk=m.memory.chunk,
     )
 
 
@@ -193,6 +204,12 @@ class Servicer(pb_grpc.BarrelServicer):
             n_seq_max=request.n_seq_max or base.n_seq_max,
             policy={**base.policy, **dict(request.policy)},
             fingerprint=request.fingerprint or base.fingerprint,
+            n_threads=request.n_threads if request.HasField("n_threads") else base.n_threads,
+            n_gpu_layers=request.n_gpu_layers if request.HasField("n_gpu_layers") else base.n_gpu_layers,
+            flash_attn=request.flash_attn if request.HasField("flash_attn") else base.flash_attn,
+            type_k=request.type_k or base.type_k,
+            type_v=request.type_v or base.type_v,
+            swa_full=request.swa_full if request.HasField("swa_full") else base.swa_full,
         )
         for what, value in (("n_ctx", request.n_ctx), ("n_batch", request.n_batch), ("n_seq_max", request.n_seq_max)):
             if value < 0:

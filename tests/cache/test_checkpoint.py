@@ -45,9 +45,22 @@ def small_ckpt() -> Checkpoint:
 
 def test_format_is_pinned() -> None:
     data = encode(small_ckpt())
-    assert len(data) == encoded_size(small_ckpt()) == 660
-    golden = "e3ac4b613bf9f642de7d000de5d667aadf47f61fc89db87d64bd4f7dc896fe59"
+    assert len(data) == encoded_size(small_ckpt()) == 724
+    golden = "f120c66e87cb48df442c79be08961381938b8c5d4166c82fc3ad940fe49e16cf"
     assert hashlib.sha256(data).hexdigest() == golden
+
+
+def test_the_frontier_and_memory_kind_travel_with_the_state() -> None:
+    """A finish checkpoint's key covers prompt and reply; its state, only the prefilled prompt."""
+    ckpt = small_ckpt()
+    assert decode(encode(ckpt)).frontier_tokens == 2 and decode(encode(ckpt)).memory == "full"
+    ckpt.frontier, ckpt.memory = 1, "recurrent"
+    got = decode(encode(ckpt))
+    assert (got.frontier, got.frontier_tokens, got.memory) == (1, 1, "recurrent")
+    for frontier, memory in ((3, "full"), (-1, "full"), (1, "paged")):
+        ckpt.frontier, ckpt.memory = frontier, memory
+        with pytest.raises(ValueError, match="do not describe the state"):
+            encode(ckpt)
 
 
 def test_every_single_bit_flip_is_detected() -> None:

@@ -16,17 +16,17 @@ CTX = CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False)
 SCHEME = KeyScheme(bytes(range(32)), "Q4_1", CTX.encode())
 
 # Computed once from the layout below; a change to the key scheme must fail here.
-GOLDEN_CTX = "02010000000100000001000000000100000000000088c340000000000000f03f"
+GOLDEN_CTX = "03010000000100000001000000000100000000000088c340000000000000f03f0000000000000000"
 GOLDEN_KEYS = {
-    b"": "08eb8b77ff3fcc3233a46d1e324e87e4b388913feaca0eda7afc47003ce3156f",
-    b"Hello, world": "922e44b5ab9bfaf43ff81142e9df8833553079a875847b3ddc07487a0d4bdb39",
-    "héllo <|im_start|>".encode(): "d66a6d3edd54fb0b31def9dbaa4a8d325b68bef8afb1cf35a4c0bfee47217571",
+    b"": "b59df2bc416c34f43632bc19834c4973d52eda19cb630a7975ffb797520ab727",
+    b"Hello, world": "29ae03d6db36e194aae812f186cfb108c08808abd982adc41b765f849666707d",
+    "héllo <|im_start|>".encode(): "826561338aa5ba503fcef434feb9bfe786c7504a13d351fee1c8a15d21acc472",
 }
 
 
 def test_ctx_params_golden_encoding() -> None:
     assert CTX.encode().hex() == GOLDEN_CTX
-    assert len(CTX.encode()) == 32 and CTX.encode()[0] == 2  # layout version byte
+    assert len(CTX.encode()) == 40 and CTX.encode()[0] == 3  # layout version byte
 
 
 @pytest.mark.parametrize("rendered", list(GOLDEN_KEYS))
@@ -37,7 +37,7 @@ def test_key_golden_vectors(rendered: bytes) -> None:
 
 def test_key_layout_is_the_documented_one() -> None:
     expected = hashlib.sha256(
-        bytes(range(32)) + b"Q4_1" + b"\0" * 12 + struct.pack("<I", 32) + CTX.encode() + b"prompt"
+        bytes(range(32)) + b"Q4_1" + b"\0" * 12 + struct.pack("<I", 40) + CTX.encode() + b"prompt"
     ).digest()
     assert SCHEME.key(b"prompt") == expected
     empty = KeyScheme(b"\xff" * 32, "F16", b"")
@@ -76,6 +76,8 @@ CHANGES = {
     "rope_freq_scale": 0.5,
     "kv_unified": False,
     "swa_full": True,
+    "prefill_chunk": 128,
+    "gpu_layers": 31,
 }
 
 

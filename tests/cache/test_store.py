@@ -185,6 +185,8 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
             "last_used",
             "created",
             "location",
+            "memory",
+            "frontier",
         }
     ] * 2
     by_tier = {r["tier"]: r for r in rows}
@@ -436,3 +438,23 @@ def test_a_failed_payload_delete_does_not_poison_the_key(
     save(store, b"prompt-A")
     assert restored_state(store, a.key) == bytes(a.state)  # the key is usable again
     assert store.check() == []
+
+
+def test_the_memory_kind_and_frontier_reach_the_row_the_hit_and_an_adopted_row(
+    store: CacheStore, store_factory: StoreFactory
+) -> None:
+    """A finish checkpoint's key covers prompt and reply, its state only the prompt: lookups must say how
+    much of it a restore can use without reading the file, and so must a row rebuilt from the file."""
+    ckpt = make_ckpt(b"a prompt and its reply", reason="finish", prefixes=((SCHEME.key(b"a prompt"), 8),))
+    ckpt.memory, ckpt.frontier = "hybrid", 8
+    assert store.save(ckpt, "disk", sync=True, timeout=10).status == "published"
+    assert (store.lookup(ckpt.key).frontier, store.lookup(SCHEME.key(b"a prompt")).frontier) == (8, 8)
+    assert [(r["memory"], r["frontier"], r["tokens"]) for r in store.dump()] == [("hybrid", 8, len(ckpt.tokens))]
+    location = store._tiers["disk"].location_for(ckpt.key.hex())
+    keep = Path(location).read_bytes()
+    assert store.gc() == 1
+    Path(location).write_bytes(keep)  # a file with no row, as after a crash between write and index
+    store = reopen(store, store_factory)
+    assert store.last_reconcile.adopted == 1
+    assert [(r["memory"], r["frontier"]) for r in store.dump()] == [("hybrid", 8)]
+    assert store.lookup(SCHEME.key(b"a prompt")).frontier == 8

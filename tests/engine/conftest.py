@@ -30,7 +30,9 @@ POLICY = Policy(
     boundary_align_tokens=16,
     session_resume_wait_ms=5000,
     evict_save_timeout_ms=5000,
+    prefill_chunk_size=8,
 )
+CHUNK = 8
 OPTIONS = {"n_ctx": 256, "n_batch": 64}
 EVENT_TIMEOUT = 10.0
 PLAIN = b"xzqkjv0123456789#%&"
@@ -205,10 +207,12 @@ def greedy(
     model_file: Path, tokens: list[int], max_tokens: int = 12, n_ctx: int = OPTIONS["n_ctx"]
 ) -> tuple[list[int], bytes]:
     """The tokens and text a cold prefill of exactly these tokens generates at temperature 0, computed on a
-    bare backend: the reference for prompts whose warm tokens are not their own tokenisation."""
+    bare backend with the engine's chunk boundaries: the reference the engine's replies are held to."""
     be = FakeBackend(model_file, ContextSettings(n_ctx=n_ctx, n_batch=n_ctx))
-    be.decode([BatchItem(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
-    logits, out = be.logits(len(tokens) - 1), []
+    for start in range(0, len(tokens), CHUNK):
+        end = min(start + CHUNK, len(tokens))
+        be.decode([BatchItem(tokens[i], i, 0, i == end - 1) for i in range(start, end)])
+    logits, out = be.logits(end - start - 1), []
     logits[sorted(EOG)] = -np.inf  # a reply has at least one token
     while True:
         out.append(int(np.argmax(logits)))

@@ -106,3 +106,18 @@ def test_text_can_retokenise_differently_from_the_tokens_that_made_it(be: Backen
     tokens = be.tokenize(chat)
     assert b"".join(be.piece(t) for t in tokens).endswith(chat)
     assert len(tokens) < len(chat) and any(be.is_eog(t) for t in range(be.n_vocab))
+
+
+def test_positions_held_are_reported_after_a_prefill_a_cut_and_a_clear(be: Backend) -> None:
+    """The check every warm start ends with: what llama.cpp says the sequence holds."""
+    assert be.memory == "full" and be.swa_window == 0 and not be.swa_full
+    prompt = be.tokenize(TEXT)
+    assert be.seq_pos_range(0) == (-1, -1)
+    prefill(be, 0, prompt)
+    assert be.seq_pos_range(0) == (0, len(prompt) - 1)
+    be.seq_rm(0, 5, -1)
+    assert be.seq_pos_range(0) == (0, 4) and be.seq_pos_range(1) == (-1, -1)
+    be.state_set(1, memoryview(bytes(be.state_get(0))))
+    assert be.seq_pos_range(1) == (0, 4)
+    be.seq_rm(0, 0, -1)
+    assert be.seq_pos_range(0) == (-1, -1)

@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from barreld.cache import stateformat
 from barreld.cache.key import fingerprint_gguf
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
-from tests.fakes.backend import BOS, END, ONE_TOKEN_SHIFT, FakeBackend, write_gguf
+from barreld.names import MemoryKind
+from tests.fakes.backend import BOS, END, FakeBackend, write_gguf
 
 SETTINGS = ContextSettings(n_ctx=32, n_batch=8, n_seq_max=2)
 
@@ -24,15 +26,31 @@ def items(tokens: list[int], seq: int = 0, start: int = 0) -> list[BatchItem]:
     return [BatchItem(t, start + i, seq, True) for i, t in enumerate(tokens)]
 
 
-def test_a_batch_holding_one_token_of_a_sequence_shifts_its_logits(be: FakeBackend) -> None:
-    be.decode(items([1, 2, 3]))
-    batched = be.logits(2)
+def test_a_token_alone_in_its_batch_gets_other_kv_and_logits(be: FakeBackend) -> None:
+    """As llama.cpp's one-token kernel path: the logits differ, and so does the KV later tokens see."""
+    be.decode(items([1, 2, 3, 4, 4]))
+    batched = be.logits(4)
     be.decode(items([1, 2], seq=1))
-    be.decode(items([3], seq=1, start=2) + items([4, 4], start=3))  # one token of seq 1, two of seq 0
-    assert np.array_equal(be.logits(0), batched + ONE_TOKEN_SHIFT)
+    be.decode(items([3], seq=1, start=2) + items([5, 5], start=5))  # one token of seq 1, two of seq 0
+    alone = be.logits(0)
+    be.decode(items([4, 4], seq=1, start=3))
+    assert not np.array_equal(be.logits(1), batched)
     other = FakeBackend(be.path, SETTINGS)
-    other.decode(items([1, 2, 3, 4, 4]))
-    assert np.array_equal(be.logits(2), other.logits(4))
+    other.decode(items([1, 2, 3]))
+    assert not np.array_equal(alone, other.logits(2))
+    other.decode(items([4, 4], start=3))
+    assert np.array_equal(other.logits(1), batched)  # a split into runs of two or more does not matter
+
+
+def test_a_split_sensitive_model_depends_on_every_batch_boundary(tmp_path: Path) -> None:
+    be = FakeBackend(write_gguf(tmp_path / "s.gguf", split=True), SETTINGS)
+    be.decode(items([1, 2, 3, 4]))
+    whole = be.logits(3)
+    be.decode(items([1, 2], seq=1))
+    be.decode(items([3, 4], seq=1, start=2))
+    assert not np.array_equal(be.logits(1), whole)
+    flash = FakeBackend(write_gguf(tmp_path / "f.gguf"), ContextSettings(n_ctx=32, n_batch=8, flash_attn=True))
+    assert flash.split_sensitive
 
 
 def test_each_model_file_is_another_model(tmp_path: Path) -> None:
@@ -57,22 +75,43 @@ def test_files_that_are_not_gguf_are_refused(tmp_path: Path) -> None:
 def test_state_holds_exactly_the_cells_and_a_cut_drops_positions(be: FakeBackend) -> None:
     be.decode(items([10, 11, 12, 13, 14]))
     be.seq_rm(0, 1, 3)  # full attention: a middle range can go
-    assert [c for c in be.seqs[0].cells] == [(0, 10), (3, 13), (4, 14)]
+    assert be.tokens(0) == [10, 13, 14] and be.seq_pos_range(0) == (0, 4)
     be.state_set(1, memoryview(be.state_get(0)))
-    assert be.seqs[1].cells == be.seqs[0].cells and be.seqs[1].digests == be.seqs[0].digests
+    assert be.seqs[1].cells == be.seqs[0].cells
     be.decode(items([15], start=5) + items([15], seq=1, start=5))
     assert np.array_equal(be.logits(0), be.logits(1))
+    be.seq_rm(1, 0, -1)
+    assert be.seq_pos_range(1) == (-1, -1)
+
+
+def test_states_are_in_llama_cpps_layout_and_cut_as_llama_cpp_writes_a_prefix(be: FakeBackend) -> None:
+    be.decode(items([10, 11, 12, 13, 14]))
+    shape = stateformat.self_check(be.state_get(0), stateformat.StateSpec.for_memory(MemoryKind.FULL))
+    cut = stateformat.cut(stateformat.parse(be.state_get(0), shape), 3)
+    be.seq_rm(0, 3, -1)
+    assert bytes(cut) == bytes(be.state_get(0))
 
 
 def test_malformed_states_are_refused(be: FakeBackend) -> None:
     be.decode(items([7, 8, 9]))
     good = bytes(be.state_get(0))
-    out_of_order = good[:16] + good[24:32] + good[16:24] + good[32:]
+    cells = 8 + 4 + 4  # header, n_stream, stream 0's count: the cells' metadata follows
+    swapped = good[:cells] + good[cells + 12 : cells + 24] + good[cells : cells + 12] + good[cells + 24 :]
     beyond = bytearray(good)
-    beyond[-8:-4] = (40).to_bytes(4, "little")  # position 40 > n_ctx
+    beyond[cells : cells + 4] = (40).to_bytes(4, "little")  # position 40 > n_ctx
     bad_token = bytearray(good)
     bad_token[-4:] = (10**6).to_bytes(4, "little")
-    for bad in (good[:10], good[:-1], out_of_order, bytes(beyond), bytes(bad_token), b"\0" * len(good)):
+    one_stream = good[:8] + (1).to_bytes(4, "little") + good[12:]  # the context has two streams
+    for bad in (
+        good[:10],
+        good[:-1],
+        good + b"\0",
+        swapped,
+        bytes(beyond),
+        bytes(bad_token),
+        one_stream,
+        b"\0" * len(good),
+    ):
         with pytest.raises(BackendError):
             be.state_set(1, memoryview(bad))
         assert be.tokens(1) == []

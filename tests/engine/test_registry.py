@@ -10,6 +10,7 @@ import pytest
 from barreld.cache.key import fingerprint_gguf
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
+from barreld.names import MemoryKind
 from tests.fakes.backend import FakeBackend, write_gguf
 
 from .conftest import POLICY, Engine, plain
@@ -94,6 +95,10 @@ def test_keys_follow_the_file_and_the_context_not_the_name(engine: Engine, tmp_p
         ("a", {"path": "missing.gguf"}, NotFound, "model file not found"),
         ("a", {"path": "junk.gguf"}, FailedPrecondition, "not a GGUF file"),
         ("nobody", {"path": None}, NotFound, "unknown model 'nobody'"),
+        ("a", {"n_threads": 0}, InvalidArgument, "bad n_threads 0"),
+        ("a", {"n_gpu_layers": -2}, InvalidArgument, "bad n_gpu_layers -2"),
+        ("a", {"type_k": "q3_k"}, InvalidArgument, "bad type_k 'q3_k': expected one of f16"),
+        ("a", {"type_v": "q4_0"}, InvalidArgument, "bad type_v 'q4_0': a quantised V cache needs flash_attn"),
     ],
 )
 def test_bad_options_are_refused_and_nothing_is_loaded(
@@ -105,6 +110,39 @@ def test_bad_options_are_refused_and_nothing_is_loaded(
     with pytest.raises(error, match=message):
         registry.load(name, LoadOptions(path=path, **{"n_ctx": 256, "n_batch": 64, **kw}))
     assert registry.models() == []
+
+
+KNOBS = [  # (option, value, whether it changes the bytes of a state, so the key)
+    ("n_threads", 1, False),
+    ("n_gpu_layers", 0, False),  # this build offloads nothing, whatever is asked
+    ("n_gpu_layers", 12, False),
+    ("type_k", "q8_0", True),
+    ("type_v", "f32", True),
+    ("flash_attn", True, True),
+    ("policy", {"prefill_chunk_size": "16"}, True),  # where prefills split changes floats on some models
+    ("policy", {"min_tokens": "64"}, False),
+    ("swa_full", False, False),  # a model without a sliding window
+]
+
+
+@pytest.mark.parametrize(("option", "value", "changes"), KNOBS)
+def test_a_knob_changes_the_key_exactly_when_it_changes_the_state(
+    registry: ModelRegistry, tmp_path: Path, option: str, value: object, changes: bool
+) -> None:
+    path = write_gguf(tmp_path / "a.gguf")
+    base = registry.load("base", opts(path)).worker.cache
+    other = registry.load("other", opts(path, **{option: value})).worker.cache
+    assert (base.key(b"x") != other.key(b"x")) is changes
+
+
+def test_swa_full_is_on_by_default_and_in_the_key_of_a_sliding_window_model(
+    registry: ModelRegistry, tmp_path: Path
+) -> None:
+    path = write_gguf(tmp_path / "swa.gguf", memory=MemoryKind.SWA, window=16)
+    default = registry.load("default", opts(path))
+    on, off = registry.load("on", opts(path, swa_full=True)), registry.load("off", opts(path, swa_full=False))
+    assert default.memory.swa_full and not off.memory.swa_full and default.memory.window == 16
+    assert default.worker.cache.key(b"x") == on.worker.cache.key(b"x") != off.worker.cache.key(b"x")
 
 
 def test_close_unloads_every_model_and_counts_its_shutdown_saves(engine: Engine) -> None:

@@ -13,13 +13,15 @@ def reload(engine: Engine, **opts: object) -> None:
 
 
 def test_a_cold_prefill_saves_at_its_aligned_boundary_then_the_finish(engine: Engine) -> None:
+    mark = len(engine.backend().calls)
     reply = engine.run(plain(40, 1))
     cold, finish = engine.rows("cold"), engine.rows("finish")
     assert [r["tokens"] for r in cold] == [32]  # (40 - 2) // 16 * 16
     assert [(r["key"], r["tokens"]) for r in finish] == [(reply.done.key.hex(), 40 + 12)]
     assert engine.store.lookup(reply.done.prompt_key).n_tokens == 40  # the prompt is findable too
-    ends = [batch[-1].pos for batch in engine.backend().batches()]
-    assert 31 in ends  # the prefill stopped at the boundary to capture it
+    assert [r["frontier"] for r in finish] == [40]  # the reply is in its key, not in its reusable state
+    ends = [call.items[-1].pos for call in engine.backend().calls[mark:] if call.op == "decode"][:5]
+    assert ends == [7, 15, 23, 31, 39]  # the capture at 32 left the prefill's chunks as they are
     assert engine.counter("saves_cold") == engine.counter("saves_finish") == 1
 
 
@@ -28,6 +30,7 @@ def test_a_cold_prefill_saves_at_its_aligned_boundary_then_the_finish(engine: En
     [
         (34, {}, [32]),  # 34 - 2 trimmed = 32
         (33, {}, [16]),  # 33 - 2 = 31, aligned down to 16
+        (40, {"boundary_align_tokens": "12", "boundary_trim_tokens": "0"}, [32]),  # 36, down to a chunk (8)
         (15, {}, []),  # under cold_min_tokens (16)
         (40, {"cold_max_tokens": "16"}, [16]),
         (40, {"boundary_align_tokens": "8", "boundary_trim_tokens": "0"}, [40]),
@@ -53,6 +56,7 @@ def test_continued_saves_every_interval_of_generated_tokens(engine: Engine) -> N
     engine.run(plain(20, 5), max_tokens=10)
     assert [r["tokens"] for r in engine.rows("continued")] == [24, 28]
     assert [r["tokens"] for r in engine.rows("finish")] == [30]
+    assert {r["frontier"] for r in engine.rows() if r["save_reason"] != "cold"} == {20}
 
 
 @pytest.mark.parametrize("min_tokens", ["infinity", "53"])
@@ -78,13 +82,16 @@ def test_claiming_a_sequence_saves_its_state_when_it_is_stored_nowhere(engine: E
 
 def test_cutting_a_live_sequence_saves_it_first_when_it_is_stored_nowhere(engine: Engine) -> None:
     a = plain(40, 10)
-    first = engine.run(a)
+    engine.run(a)
     engine.rows()
     engine.store.gc()
-    reply = engine.run(a + plain(10, 11))
+    second = engine.run(a + plain(10, 11))
+    assert second.route == "live" and engine.rows("evict") == []  # it kept all 40: nothing reusable was lost
+    engine.store.gc()
+    reply = engine.run(a[:25] + plain(20, 12))  # keeps 24 of the 49 prompt tokens
     assert reply.route == "live"
-    assert [(r["key"], r["tokens"]) for r in engine.rows("evict")] == [
-        (first.done.key.hex(), 40 + first.done.completion_tokens)
+    assert [(r["key"], r["tokens"], r["frontier"]) for r in engine.rows("evict")] == [
+        (second.done.key.hex(), 49 + second.done.completion_tokens, 49)
     ]
 
 

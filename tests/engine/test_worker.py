@@ -13,7 +13,7 @@ from barreld.engine.backend import BatchItem, ContextSettings
 from barreld.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tests.fakes.backend import EOG, FakeBackend, render_user_turn
 
-from .conftest import Engine, WatchedStore, collect, greedy, plain
+from .conftest import CHUNK, Engine, WatchedStore, collect, greedy, plain
 
 
 def reload(engine: Engine, **opts: object) -> None:
@@ -32,16 +32,20 @@ def prefill_batches(engine: Engine, after: int = 0, seq: int = 0) -> list[list[i
     return out
 
 
-@pytest.mark.parametrize("extra", [b"", b"#"], ids=["same prompt", "one more token"])
-def test_a_live_prefill_never_ends_with_a_one_token_batch(engine: Engine, extra: bytes) -> None:
-    """Resent as is, the prompt's last two tokens are evaluated again; one token longer, the last two: a
-    one-token batch would give other logits than the cold prefill's."""
+@pytest.mark.parametrize(
+    ("extra", "chunks"),
+    [(b"", []), (b"#", [[40]]), (b"#" * 9, [list(range(40, 48)), [48]])],
+    ids=["same prompt", "one more token", "past a chunk boundary"],
+)
+def test_a_live_prefill_splits_where_the_cold_one_does(engine: Engine, extra: bytes, chunks: list) -> None:
+    """Resent as is, the prompt samples from its stored logits; longer, it is prefilled from the last chunk
+    boundary in the cold run's chunks, a one-token tail included (the cold run has the same one)."""
     a = plain(40, 1)
     engine.run(a)
     mark = len(engine.backend().calls)
     reply = engine.run(a + extra)
-    assert reply.route == "live" and reply.started.cache.prefilled_tokens == 2
-    assert prefill_batches(engine, mark)[0] == [38 + len(extra), 39 + len(extra)]
+    assert reply.route == "live" and reply.started.cache.prefilled_tokens == len(extra)
+    assert prefill_batches(engine, mark)[: len(chunks)] == chunks
     assert reply.text == engine.cold(a + extra).text
 
 
@@ -50,10 +54,11 @@ def test_an_exact_hit_with_stored_logits_samples_without_a_decode(engine: Engine
     first = engine.run(a)
     later = engine.restarted()
     be = later.backend()
+    mark = len(be.calls)  # after the load's own check of the state layout
     reply = later.run(a)
     assert reply.route == "exact" and reply.started.cache.prefilled_tokens == 0
-    assert [c.op for c in be.calls[:2]] == ["state_set", "seq_rm"]  # restore, then cut to the prompt
-    assert [it.pos for it in be.calls[2].items] == [40]  # the first decode is the first sampled token
+    assert [c.op for c in be.calls[mark : mark + 2]] == ["state_set", "seq_rm"]  # restore, then the reply off
+    assert [it.pos for it in be.calls[mark + 2].items] == [40]  # the first decode is the first sampled token
     assert reply.text == first.text == engine.cold(a).text
 
 
@@ -69,10 +74,10 @@ def test_a_cold_checkpoint_restored_whole_uses_its_logits(engine: Engine) -> Non
 def test_an_exact_hit_on_a_prefix_alias_does_not_use_logits_of_another_position(engine: Engine) -> None:
     reload(engine, policy={"cold_min_tokens": "1000"})
     a = plain(40, 32)
-    engine.run(a)  # the finish checkpoint has the prompt's logits (position 40), aliases at 16, 32, 48
+    engine.run(a)  # the finish checkpoint has the prompt's logits (position 40), aliases at 16 and 32
     head = a[:31]  # its first 32 tokens
     reply = engine.restarted().run(head)
-    assert reply.route == "exact" and reply.started.cache.prefilled_tokens == 2
+    assert reply.route == "exact" and reply.started.cache.prefilled_tokens == CHUNK  # the last chunk again
     assert reply.text == engine.cold(head).text
 
 
@@ -89,12 +94,13 @@ def test_the_first_token_is_never_end_of_generation(engine: Engine) -> None:
     assert reply.text == greedy(engine.model_file, be.tokenize(a))[1]
 
 
-def test_a_capped_prefill_goes_in_chunks_of_two_or_more(engine: Engine) -> None:
+def test_every_prefill_splits_at_multiples_of_the_chunk_size(engine: Engine) -> None:
     reload(engine, policy={"prefill_chunk_size": "5"})
-    a = plain(41, 4)  # 5 + 5 + ... would leave one token at the end
+    a = plain(41, 4)
+    mark = len(engine.backend().calls)
     reply = engine.run(a)
-    chunks = prefill_batches(engine)[: -reply.done.completion_tokens]
-    assert all(2 <= len(c) <= 5 for c in chunks) and sum(len(c) for c in chunks) == 41
+    chunks = prefill_batches(engine, mark)[: -reply.done.completion_tokens + 1]
+    assert chunks == [list(range(p, min(p + 5, 41))) for p in range(0, 41, 5)]  # 8 x 5, then one token
     assert reply.text == engine.cold(a).text
 
 
@@ -122,7 +128,7 @@ def test_an_uncapped_prefill_runs_to_its_end_before_the_next_sampling_step(engin
     be.release()
     collect(ra), collect(rb)
     with_b = [batch for batch in be.batches() if any(it.seq == 1 for it in batch)]
-    assert [sum(it.seq == 1 for it in batch) for batch in with_b[:3]] == [63, 64, 23]
+    assert [sum(it.seq == 1 for it in batch) for batch in with_b[:3]] == [64, 64, 22]
     assert all(it.seq == 1 for batch in with_b[1:3] for it in batch)  # no sampling step in between
 
 
@@ -140,7 +146,7 @@ def test_a_cancelled_queued_request_fails_and_frees_nothing(engine: Engine) -> N
 
 def test_a_running_request_cancelled_stops_after_its_next_step(engine: Engine) -> None:
     be = engine.backend()
-    a = plain(15, 11)  # one prefill batch: no cold checkpoint to stop at
+    a = plain(CHUNK, 11)  # one prefill batch
     be.hold()
     req = engine.submit(a, max_tokens=50)
     assert be.wait_held()
@@ -149,7 +155,7 @@ def test_a_running_request_cancelled_stops_after_its_next_step(engine: Engine) -
     reply = collect(req)
     assert reply.done.finish_reason == "cancelled" and reply.done.completion_tokens == 1
     assert reply.text == engine.cold(a, max_tokens=1).text
-    assert len(be.tokens(0)) == 16  # the sampled token went into the cache
+    assert len(be.tokens(0)) == CHUNK  # the sampled token is text only: its KV would never be reused
 
 
 def test_a_request_cancelled_mid_prefill_keeps_what_was_evaluated(engine: Engine) -> None:

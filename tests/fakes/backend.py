@@ -1,12 +1,14 @@
 """A deterministic stand-in for llama.cpp behind the Backend protocol, so the engine is tested in milliseconds.
 
 What it keeps from llama.cpp, because the engine's correctness depends on it:
-- the logits at a position are a function of the sequence's whole token history up to it (held in its
-  cells), so a wrong restore or a wrong cut changes the logits and the greedy reply;
-- a sequence's logits from a batch holding exactly one of its tokens differ from the same position computed
-  in a larger batch (llama.cpp evaluates one-token batches through another kernel path);
-- `state_get` writes exactly the sequence's cells, `state_set` refuses foreign or malformed bytes, and
-  `seq_rm` drops positions as full attention does;
+- the logits at a position are a function of the KV it was computed from (a digest of the sequence's
+  history, see tests/fakes/memory.py), so a wrong restore or a wrong cut changes the logits and the reply;
+- a token that is the only one of its sequence in a batch gets other KV and logits than inside a prefill;
+  on a split-sensitive model (the GGUF says so, or flash attention is on) every batch boundary counts;
+- the four memory kinds (full, swa with swa_full on or off, recurrent, hybrid), chosen by the GGUF's
+  metadata (`write_gguf`): what a cut keeps or refuses, what a saved state holds, what positions it reports;
+- states in llama.cpp's sequence-state layout (one layer: K rows are the digests, V rows the tokens), so the
+  cache core's parser and cut run on them; `state_set` refuses foreign or malformed bytes;
 - `decode` refuses a batch larger than n_batch, a position that is not its sequence's next one, or one past
   the context;
 - a tokenizer with multi-byte pieces, so text can retokenise differently from the tokens that produced it.
@@ -25,11 +27,23 @@ from pathlib import Path
 import numpy as np
 
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
+from barreld.names import MemoryKind
+from tests.fakes.memory import Cell, SeqMemory
 
-STATE_MAGIC = 0xFA4E5EC1
-STATE_VERSION = 1
-_HEADER = struct.Struct("<IIII")  # magic, version, n_vocab, cell count
-_CELL = struct.Struct("<ii")  # pos, token
+STATE_MAGIC = 0xAF143CD8
+_U32 = struct.Struct("<I")
+_HEADER = struct.Struct("<Ii")  # magic, seq_id
+_META = struct.Struct("<iIi")  # pos, n_seq_id, seq_id
+_ROWS = struct.Struct("<iQ")  # ggml type, row size
+_F32 = 0
+_DIGEST = 16
+_TOKEN = struct.Struct("<i")
+_SECTIONS = {
+    MemoryKind.FULL: ("kv",),
+    MemoryKind.SWA: ("kv", "window"),
+    MemoryKind.RECURRENT: ("recurrent",),
+    MemoryKind.HYBRID: ("kv", "recurrent"),
+}
 
 PIECES = [
     b"the", b" the", b"The", b"ing", b" a", b"an", b"and", b" and", b"er", b"in", b"on", b"re", b"ed", b"to",
@@ -67,50 +81,6 @@ def logits_of(digest: bytes) -> np.ndarray:
     return (raw / np.float32(2**29) - np.float32(4.0)).astype(np.float32)
 
 
-ONE_TOKEN_SHIFT = logits_of(b"one token per batch") / np.float32(4.0)
-"""Added to a sequence's logits when the batch held only one of its tokens."""
-
-
-class Cells:
-    """One sequence's KV cells: position -> token, in position order, each with the digest of its history.
-
-    The one place memory semantics live: which positions a removal drops and which cells a saved state
-    holds. A sliding-window or recurrent memory overrides `remove` and `saved`.
-    """
-
-    def __init__(self, root: bytes) -> None:
-        self.root = root
-        self.cells: list[tuple[int, int]] = []
-        self.digests: list[bytes] = []
-
-    def next_pos(self) -> int:
-        return self.cells[-1][0] + 1 if self.cells else 0
-
-    def add(self, pos: int, token: int) -> bytes:
-        """Appends a cell; returns the digest of the history up to and including it."""
-        self.cells.append((pos, token))
-        self.digests.append(self._digest(self.digests[-1] if self.digests else self.root, pos, token))
-        return self.digests[-1]
-
-    def remove(self, p0: int, p1: int) -> None:
-        """Drops positions p0 <= pos < p1 (p1 < 0: to the end); the later cells' histories change."""
-        end = p1 if p1 >= 0 else 1 << 62
-        self.load([c for c in self.cells if not p0 <= c[0] < end])
-
-    def saved(self) -> list[tuple[int, int]]:
-        """The cells a saved state holds."""
-        return list(self.cells)
-
-    def load(self, cells: list[tuple[int, int]]) -> None:
-        self.cells, self.digests = [], []
-        for pos, token in cells:
-            self.add(pos, token)
-
-    @staticmethod
-    def _digest(prev: bytes, pos: int, token: int) -> bytes:
-        return hashlib.blake2b(prev + _CELL.pack(pos, token), digest_size=16).digest()
-
-
 @dataclass(frozen=True)
 class Call:
     """One recorded backend operation: `decode` (items), `seq_rm` (seq, span), `state_get`, `state_set`."""
@@ -133,12 +103,15 @@ def render_user_turn(text: bytes) -> bytes:
 
 
 class FakeBackend:
-    """A model file stands in for weights: its bytes seed every logit, so two files are two models."""
+    """A model file stands in for weights: its bytes seed every logit, so two files are two models; its
+    metadata says the memory kind (`write_gguf`)."""
 
     GATE_TIMEOUT = 30.0
     chat_template: str | None = CHAT_TEMPLATE
     bos_text = "<s>"
     eos_text = "</s>"
+    mrope = False
+    gpu_layers = 0
 
     def __init__(self, path: Path, settings: ContextSettings) -> None:
         try:
@@ -147,6 +120,7 @@ class FakeBackend:
             raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
         if data[:4] != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+        meta = read_meta(data)
         self.path = Path(path)
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
@@ -155,8 +129,13 @@ class FakeBackend:
         self.ftype = FTYPE
         self.rope_freq_base = 10000.0
         self.rope_freq_scale = 1.0
+        self.memory = MemoryKind(meta.get("fake.memory", "full"))
+        self.swa_window = int(meta.get("fake.window", "0"))
+        self.swa_full = settings.swa_full and self.swa_window > 0
+        self.split_sensitive = meta.get("fake.split") == "1" or settings.flash_attn
+        slots = settings.n_ctx if self.swa_full else min(settings.n_ctx, self.swa_window + settings.n_batch)
         root = hashlib.sha256(data).digest()[:16]
-        self.seqs = [Cells(root) for _ in range(settings.n_seq_max)]
+        self.seqs = [SeqMemory(self.memory, root, self.swa_window, slots) for _ in range(settings.n_seq_max)]
         self.calls: list[Call] = []
         self.closed = False
         self._last: dict[int, np.ndarray] = {}
@@ -181,7 +160,6 @@ class FakeBackend:
     def is_eog(self, token: int) -> bool:
         return token in EOG
 
-
     # ---- evaluation -----------------------------------------------------------------------
 
     def decode(self, items: list[BatchItem]) -> None:
@@ -189,15 +167,20 @@ class FakeBackend:
         self._check("decode")
         self._check_batch(items)
         self.calls.append(Call("decode", items=tuple(items)))
-        per_seq: dict[int, int] = {}
+        runs: dict[int, list[int]] = {}
         for it in items:
-            per_seq[it.seq] = per_seq.get(it.seq, 0) + 1
+            runs.setdefault(it.seq, []).append(it.pos)
         self._last = {}
         for i, it in enumerate(items):
-            digest = self.seqs[it.seq].add(it.pos, it.token)
+            digest = self.seqs[it.seq].add(it.pos, it.token, self._split(runs[it.seq]))
             if it.logits:
-                row = logits_of(digest)
-                self._last[i] = row + ONE_TOKEN_SHIFT if per_seq[it.seq] == 1 else row
+                self._last[i] = logits_of(digest)
+
+    def _split(self, run: list[int]) -> bytes:
+        """What of its batch a token's KV depends on: being alone, or on a split-sensitive model the run."""
+        if self.split_sensitive:
+            return struct.pack("<ii", run[0], len(run))
+        return b"alone" if len(run) == 1 else b""
 
     def _check_batch(self, items: list[BatchItem]) -> None:
         """All of a batch is checked before any of it is applied: a refused batch changes nothing."""
@@ -225,41 +208,33 @@ class FakeBackend:
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
         self._check("seq_rm")
-        cells = self._seq(seq)
+        memory = self._seq(seq)
         self.calls.append(Call("seq_rm", seq, span=(p0, p1)))
-        cells.remove(max(p0, 0), p1)
+        memory.remove(max(p0, 0), p1)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        return self._seq(seq).pos_range()
 
     def state_get(self, seq: int) -> bytearray:
-        cells = self._seq(seq).saved()
+        memory = self._seq(seq)
         self.calls.append(Call("state_get", seq))
-        out = bytearray(_HEADER.pack(STATE_MAGIC, STATE_VERSION, N_VOCAB, len(cells)))
-        for pos, token in cells:
-            out += _CELL.pack(pos, token)
+        out = bytearray(_HEADER.pack(STATE_MAGIC, seq))
+        for section in _SECTIONS[self.memory]:
+            if section == "recurrent":
+                out += _recurrent_section(memory.tip)
+            else:
+                cells = memory.cells if section == "kv" else memory.saved_window()
+                out += _kv_section(cells, self.n_seq_max, seq)
         return out
 
     def state_set(self, seq: int, data: memoryview) -> None:
-        """Replaces the sequence's cells; bytes that are not a state of this vocabulary leave it empty."""
+        """Replaces the sequence's memory; bytes that are not a state of this model leave it empty."""
         target = self._seq(seq)
         self.calls.append(Call("state_set", seq))
-        target.load([])
+        target.clear()
         self._check("state_set")
-        target.load(self._parse(bytes(data)))
-
-    def _parse(self, raw: bytes) -> list[tuple[int, int]]:
-        if len(raw) < _HEADER.size:
-            raise BackendError(f"state of {len(raw)} bytes is shorter than its header")
-        magic, version, n_vocab, count = _HEADER.unpack_from(raw)
-        if magic != STATE_MAGIC or version != STATE_VERSION or n_vocab != N_VOCAB:
-            raise BackendError("not a state of this model (magic, version or vocabulary differ)")
-        if len(raw) != _HEADER.size + count * _CELL.size:
-            raise BackendError(f"state of {len(raw)} bytes does not hold its {count} cells")
-        cells = [_CELL.unpack_from(raw, _HEADER.size + i * _CELL.size) for i in range(count)]
-        positions = [p for p, _ in cells]
-        if positions != sorted(set(positions)) or (cells and not 0 <= positions[0] <= positions[-1] < self.n_ctx):
-            raise BackendError("state cells are out of order or outside the context")
-        if any(not 0 <= t < N_VOCAB for _, t in cells):
-            raise BackendError("state holds a token outside the vocabulary")
-        return cells
+        parsed = _StateReader(bytes(data), self).read()
+        target.load(parsed.get("kv", []), parsed.get("window", []), (parsed.get("recurrent") or [None])[-1])
 
     def close(self) -> None:
         self.closed = True
@@ -267,8 +242,8 @@ class FakeBackend:
     # ---- for tests ------------------------------------------------------------------------
 
     def tokens(self, seq: int) -> list[int]:
-        """The tokens in a sequence's cells, in position order."""
-        return [t for _, t in self.seqs[seq].cells]
+        """The tokens in a sequence's attention cells, in position order."""
+        return [c.token for c in self.seqs[seq].cells]
 
     def batches(self, seq: int | None = None) -> list[list[BatchItem]]:
         """Every decoded batch, in order, reduced to the items of `seq` (batches without it left out)."""
@@ -312,19 +287,133 @@ class FakeBackend:
             self._failing.discard(op)
             raise BackendError(f"{op} failed (injected)")
 
-    def _seq(self, seq: int) -> Cells:
+    def _seq(self, seq: int) -> SeqMemory:
         if not 0 <= seq < self.n_seq_max:
             raise BackendError(f"sequence {seq} outside 0..{self.n_seq_max - 1}")
         return self.seqs[seq]
 
 
-def write_gguf(path: Path, name: str = "fake") -> Path:
-    """A minimal valid GGUF v3 (two metadata keys, one small tensor), so the real fingerprint code reads it."""
+def _kv_section(cells: list[Cell], n_stream: int, seq: int) -> bytes:
+    """A KV section as llama.cpp writes one: a count per stream, the cells in the sequence's own stream."""
+    home = seq if n_stream > 1 else 0
+    out = bytearray(_U32.pack(n_stream))
+    for stream in range(n_stream):
+        count = len(cells) if stream == home else 0
+        out += _U32.pack(count)
+        if count:
+            out += b"".join(_META.pack(c.pos, 1, seq) for c in cells)
+            out += struct.pack("<II", 0, 1)  # V not transposed, one layer
+            out += _ROWS.pack(_F32, _DIGEST) + b"".join(c.digest for c in cells)
+            out += _ROWS.pack(_F32, _TOKEN.size) + b"".join(_TOKEN.pack(c.token) for c in cells)
+    return bytes(out)
+
+
+def _recurrent_section(tip: Cell | None) -> bytes:
+    cells = [tip] if tip is not None else []
+    out = _U32.pack(len(cells)) + b"".join(struct.pack("<iI", c.pos, 0) for c in cells)
+    out += struct.pack("<II", 0, 1)  # s_trans 0, one layer
+    out += _ROWS.pack(_F32, _DIGEST) + b"".join(c.digest for c in cells)
+    return out + _ROWS.pack(_F32, _TOKEN.size) + b"".join(_TOKEN.pack(c.token) for c in cells)
+
+
+class _StateReader:
+    """Reads a state `FakeBackend.state_get` could have written for this model; BackendError for anything else."""
+
+    def __init__(self, raw: bytes, be: FakeBackend) -> None:
+        self.raw, self.off, self.be = raw, 0, be
+
+    def take(self, fmt: struct.Struct) -> tuple:
+        if self.off + fmt.size > len(self.raw):
+            raise BackendError(f"state of {len(self.raw)} bytes ends inside a field at byte {self.off}")
+        values = fmt.unpack_from(self.raw, self.off)
+        self.off += fmt.size
+        return values
+
+    def bytes(self, n: int) -> bytes:
+        if self.off + n > len(self.raw):
+            raise BackendError(f"state of {len(self.raw)} bytes ends inside its rows")
+        self.off += n
+        return self.raw[self.off - n : self.off]
+
+    def read(self) -> dict[str, list[Cell]]:
+        magic, _ = self.take(_HEADER)
+        if magic != STATE_MAGIC:
+            raise BackendError("not a sequence state (bad magic)")
+        out = {name: self.section(name) for name in _SECTIONS[self.be.memory]}
+        if self.off != len(self.raw):
+            raise BackendError(f"{len(self.raw) - self.off} bytes after the state")
+        return out
+
+    def section(self, name: str) -> list[Cell]:
+        if name == "recurrent":
+            (count,) = self.take(_U32)
+            if count > 1:
+                raise BackendError(f"{count} recurrent cells for one sequence")
+            positions = [self.take(struct.Struct("<iI"))[0] for _ in range(count)]
+            self.rows_head(struct.Struct("<II"), (0, 1))
+            return self.cells(positions)
+        (n_stream,) = self.take(_U32)
+        if n_stream != self.be.n_seq_max:
+            raise BackendError(f"{n_stream} KV streams, the context has {self.be.n_seq_max}")
+        cells: list[Cell] = []
+        for _ in range(n_stream):
+            (count,) = self.take(_U32)
+            if count and cells:
+                raise BackendError("cells in two streams")
+            if count:
+                positions = [self.take(_META)[0] for _ in range(count)]
+                self.rows_head(struct.Struct("<II"), (0, 1))
+                cells = self.cells(positions)
+        return cells
+
+    def rows_head(self, fmt: struct.Struct, want: tuple) -> None:
+        if self.take(fmt) != want:
+            raise BackendError("a state of another layout")
+
+    def cells(self, positions: list[int]) -> list[Cell]:
+        self.rows_head(_ROWS, (_F32, _DIGEST))
+        digests = [self.bytes(_DIGEST) for _ in positions]
+        self.rows_head(_ROWS, (_F32, _TOKEN.size))
+        tokens = [self.take(_TOKEN)[0] for _ in positions]
+        inside = not positions or 0 <= positions[0] <= positions[-1] < self.be.n_ctx
+        if positions != sorted(set(positions)) or not inside:
+            raise BackendError("state cells are out of order or outside the context")
+        if any(not 0 <= t < N_VOCAB for t in tokens):
+            raise BackendError("state holds a token outside the vocabulary")
+        return [Cell(p, t, d) for p, t, d in zip(positions, tokens, digests, strict=True)]
+
+
+def read_meta(data: bytes) -> dict[str, str]:
+    """The string metadata of a GGUF that `write_gguf` wrote (other value types end the reading)."""
+    out: dict[str, str] = {}
+    off = 24
+    (n_kv,) = struct.unpack_from("<Q", data, 16)
+    for _ in range(n_kv):
+        (n,) = struct.unpack_from("<Q", data, off)
+        key = data[off + 8 : off + 8 + n].decode()
+        off += 8 + n
+        (vtype,) = struct.unpack_from("<I", data, off)
+        if vtype != 8:
+            break
+        (n,) = struct.unpack_from("<Q", data, off + 4)
+        out[key] = data[off + 12 : off + 12 + n].decode()
+        off += 12 + n
+    return out
+
+
+def write_gguf(
+    path: Path, name: str = "fake", memory: MemoryKind = MemoryKind.FULL, window: int = 0, split: bool = False
+) -> Path:
+    """A minimal valid GGUF v3 (string metadata, one small tensor), so the real fingerprint code reads it; the
+    metadata names the memory kind, its sliding window, and whether logits depend on the batch split."""
 
     def string(s: bytes) -> bytes:
         return struct.pack("<Q", len(s)) + s
 
     kv = [(b"general.architecture", b"fake"), (b"general.name", name.encode())]
+    if memory is not MemoryKind.FULL or window or split:
+        kv += [(b"fake.memory", str(memory).encode()), (b"fake.window", str(window).encode()),
+               (b"fake.split", b"1" if split else b"0")]
     head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kv))
     head += b"".join(string(k) + struct.pack("<I", 8) + string(v) for k, v in kv)
     head += string(b"token_embd.weight") + struct.pack("<IQIQ", 1, 8, 0, 0)  # 1 dim of 8, F32, offset 0

@@ -143,6 +143,12 @@ def test_values_are_read(tmp_path: Path) -> None:
         fingerprint = "fast_unsafe"
         fingerprint_digest = "abc123"
         policy = { min_tokens = 64, boundary_align_tokens = "256" }
+        n_threads = 3
+        n_gpu_layers = 0
+        flash_attn = true
+        type_k = "q8_0"
+        type_v = "q4_0"
+        swa_full = false
         """,
     )
     assert config.socket == tmp_path / "run/b.sock"
@@ -160,6 +166,8 @@ def test_values_are_read(tmp_path: Path) -> None:
     assert model.policy.min_tokens == 64
     assert model.policy.boundary_align_tokens == 256
     assert model.policy.prefill_chunk_size == math.inf
+    assert model.knobs() == {"n_threads": 3, "n_gpu_layers": 0, "flash_attn": True, "type_k": "q8_0",
+                             "type_v": "q4_0", "swa_full": False}
 
 
 def test_config_is_frozen(tmp_path: Path) -> None:
@@ -271,6 +279,14 @@ BAD = [
         "models[0].fingerprint_digest",
         "fast_unsafe",
     ),
+    ("[[models]]\nname = 'smollm2'\nn_threads = 0", "models[0].n_threads", "whole number >= 1"),
+    ("[[models]]\nname = 'smollm2'\nn_gpu_layers = -2", "models[0].n_gpu_layers", "whole number >= -1"),
+    ("[[models]]\nname = 'smollm2'\nflash_attn = 'on'", "models[0].flash_attn", "expected true or false"),
+    ("[[models]]\nname = 'smollm2'\nswa_full = 1", "models[0].swa_full", "expected true or false"),
+    ("[[models]]\nname = 'smollm2'\ntype_k = 'q3_k'", "models[0].type_k", "unknown cache type 'q3_k'"),
+    ("[[models]]\nname = 'smollm2'\ntype_v = 8", "models[0].type_v", "expected a string"),
+    ("[[models]]\nname = 'smollm2'\ntype_v = 'q4_0'", "models[0].type_v", "needs flash_attn = true"),
+    ("[[models]]\nname = 'smollm2'\ntype_v = 'q8_0'\nflash_attn = false", "models[0].type_v", "needs flash_attn"),
     ("[models]\nname = 'smollm2'", "models", "array of tables"),
     ("[daemon]\nwriters = 0", "daemon.writers", "whole number >= 1"),
     ("[daemon]\nsocket = ''", "daemon.socket", "expected a path"),

@@ -1,4 +1,4 @@
-"""Pure engine helpers: prefill chunk planning, byte offsets, stop-string scanning, sampling."""
+"""Pure engine helpers: prefill chunks, byte offsets, token prefixes, stop-string scanning, sampling."""
 
 from __future__ import annotations
 
@@ -6,39 +6,27 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from barreld.engine.plan import byte_offsets, common_prefix_len, next_chunk, tokens_within
+from barreld.engine.plan import byte_offsets, chunk_end, common_prefix_len
 from barreld.engine.sampling import Sampler
 from barreld.engine.stops import StopScanner
 
 
-@given(st.integers(0, 5000), st.integers(1, 3000), st.integers(3, 600))
-def test_chunks_cover_the_span_and_are_never_one_token(start: int, length: int, cap: int) -> None:
-    pos, end, sizes = start, start + length, []
+@given(st.integers(0, 5000), st.integers(1, 3000), st.integers(1, 600))
+def test_chunks_from_a_boundary_cover_the_span_and_end_on_multiples(start: int, length: int, chunk: int) -> None:
+    pos, end, ends = start // chunk * chunk, start + length, []
     while pos < end:
-        size = next_chunk(pos, end, cap)
-        assert size > 0
-        sizes.append(size)
-        pos += size
-    assert pos == end
-    assert all(s <= cap or s == length for s in sizes[:1]) and all(s <= cap for s in sizes[1:])
-    assert length == 1 or 1 not in sizes
+        pos = chunk_end(pos, end, chunk)
+        ends.append(pos)
+    assert pos == end and all(e % chunk == 0 for e in ends[:-1])
 
 
-def test_a_cap_too_small_to_avoid_a_one_token_tail_waits() -> None:
-    assert next_chunk(0, 3, 2) == 0       # 2 now would leave 1
-    assert next_chunk(0, 10, 9) == 8      # leave 2, not 1
-    assert next_chunk(5, 5, 100) == 0
-
-
-@given(st.lists(st.binary(max_size=6), max_size=40), st.binary(max_size=300))
-def test_offsets_and_prefix_lengths_agree(pieces: list[bytes], other: bytes) -> None:
+@given(st.lists(st.binary(max_size=6), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_offsets_and_prefix_lengths_agree(pieces: list[bytes], other: list[int]) -> None:
     offsets = byte_offsets(pieces)
-    rendered = b"".join(pieces)
-    assert offsets[-1] == len(rendered)
-    n = common_prefix_len(rendered, other)
-    assert rendered[:n] == other[:n] and (n == min(len(rendered), len(other)) or rendered[n] != other[n])
-    k = tokens_within(offsets, n)
-    assert offsets[k] <= n and (k == len(pieces) or offsets[k + 1] > n)
+    assert offsets[-1] == len(b"".join(pieces)) and offsets == sorted(offsets)
+    tokens = [len(p) % 4 for p in pieces]
+    n = common_prefix_len(tokens, other)
+    assert tokens[:n] == other[:n] and (n == min(len(tokens), len(other)) or tokens[n] != other[n])
 
 
 @given(st.lists(st.binary(min_size=1, max_size=4), max_size=30), st.binary(min_size=1, max_size=5))

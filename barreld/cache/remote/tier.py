@@ -66,16 +66,18 @@ class RowInfo:
     save_reason: str
     created: float
     parts: tuple[Part, ...]
+    frontier: int = 0  # leading tokens its state holds reusably; 0 (a row that does not say): none
 
     @classmethod
     def of(cls, ckpt: Checkpoint) -> RowInfo:
         return cls(ckpt.key, ckpt.model, ckpt.fingerprint, len(ckpt.tokens), len(ckpt.rendered),
-                   ckpt.save_reason, ckpt.created, ((CKPT_KIND, ckpt.key, encoded_size(ckpt)),))
+                   ckpt.save_reason, ckpt.created, ((CKPT_KIND, ckpt.key, encoded_size(ckpt)),), ckpt.frontier_tokens)
 
     def as_json(self) -> dict[str, Any]:
         return {"v": ROW_FORMAT, "key": self.key.hex(), "model": self.model, "fingerprint": self.fingerprint.hex(),
                 "tokens": self.tokens, "text_bytes": self.text_bytes, "save_reason": self.save_reason,
-                "created": self.created, "parts": [[k, key.hex(), n] for k, key, n in self.parts]}
+                "created": self.created, "parts": [[k, key.hex(), n] for k, key, n in self.parts],
+                "frontier": self.frontier}
 
     @classmethod
     def from_json(cls, d: Any) -> RowInfo:
@@ -84,7 +86,7 @@ class RowInfo:
             raise ValueError(f"row format {d['v']!r}")
         parts = tuple((str(k), bytes.fromhex(key), int(n)) for k, key, n in d["parts"])
         info = cls(bytes.fromhex(d["key"]), str(d["model"]), bytes.fromhex(d["fingerprint"]), int(d["tokens"]),
-                   int(d["text_bytes"]), str(d["save_reason"]), float(d["created"]), parts)
+                   int(d["text_bytes"]), str(d["save_reason"]), float(d["created"]), parts, int(d.get("frontier", 0)))
         if (len(info.key) != 32 or not parts or info.tokens < 1
                 or any(k not in PART_KINDS or len(key) != 32 or n < 1 for k, key, n in parts)):
             raise ValueError("malformed row description")
@@ -95,7 +97,7 @@ class RowInfo:
         return sum(n for _, _, n in self.parts)
 
     def hit(self, n_tokens: int) -> RemoteHit:
-        return RemoteHit(self.key, n_tokens, REDIS_TIER, self.tokens, self.text_bytes, self.parts)
+        return RemoteHit(self.key, n_tokens, REDIS_TIER, self.tokens, self.text_bytes, self.frontier, self.parts)
 
 
 @dataclass

@@ -1,0 +1,118 @@
+"""The memory rules alone: pure, so each fact they rest on is one line here (the engine over the fake and the
+real models prove them in tests/engine/test_memory_kinds.py and tests/test_cache_paths.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from barreld.engine.memory import Memory, memory_kind
+from barreld.names import MemoryKind
+
+FULL = Memory(MemoryKind.FULL, chunk=64)
+SWA = Memory(MemoryKind.SWA, window=512, swa_full=True, chunk=64)
+RING = Memory(MemoryKind.SWA, window=512, swa_full=False, chunk=64)
+RECURRENT = Memory(MemoryKind.RECURRENT, chunk=64)
+HYBRID = Memory(MemoryKind.HYBRID, chunk=64)
+
+
+def test_the_kind_comes_from_llama_cpps_flags() -> None:
+    assert memory_kind(0, False, False) is MemoryKind.FULL
+    assert memory_kind(512, False, False) is MemoryKind.SWA
+    assert memory_kind(0, True, False) is MemoryKind.RECURRENT
+    assert memory_kind(0, True, True) is MemoryKind.HYBRID and memory_kind(4096, False, True) is MemoryKind.HYBRID
+    with pytest.raises(ValueError):
+        Memory(MemoryKind.FULL, window=512)
+    with pytest.raises(ValueError):
+        Memory(MemoryKind.SWA)
+    with pytest.raises(ValueError):
+        Memory(MemoryKind.FULL, chunk=0)
+
+
+def test_a_reuse_point_is_a_chunk_boundary_or_the_whole_prompt_with_its_logits() -> None:
+    assert FULL.aligned(700, 800, None) == 640
+    assert FULL.aligned(800, 800, 800) == 800  # samples from the stored logits, no prefill
+    assert FULL.aligned(800, 800, None) == 768  # the last chunk again: its last row gives the logits
+    assert FULL.aligned(800, 800, 640) == 768  # logits of another position are no use
+    assert FULL.aligned(64, 64, None) == 0
+
+
+@pytest.mark.parametrize(
+    ("memory", "length", "matched", "n", "logits_at", "expected"),
+    [
+        (FULL, 1000, 1000, 1200, 1000, 960),  # cut back to a chunk boundary
+        (FULL, 1000, 700, 1200, 1000, 640),  # as far as the prompt shares it
+        (FULL, 1000, 1000, 1000, 1000, 1000),  # the whole prompt, its logits stored
+        (SWA, 1024, 1024, 1200, None, 1024),  # at its own length
+        (SWA, 1024, 1000, 1200, None, 0),  # the prompt leaves it earlier: a window state cannot be cut
+        (SWA, 1000, 1000, 1200, 1000, 0),  # not a chunk boundary, and not the whole prompt
+        (SWA, 1000, 1000, 1000, 1000, 1000),  # the whole prompt with its logits
+        (SWA, 1000, 1000, 1000, None, 0),  # ... without them there is nothing to sample from
+        (RING, 1024, 1024, 1200, None, 0),  # without swa_full only a state of at most a window
+        (RING, 512, 512, 1200, None, 512),
+        (RECURRENT, 256, 256, 300, None, 256),
+        (RECURRENT, 256, 255, 300, None, 0),
+        (HYBRID, 320, 320, 320, 320, 320),
+        (HYBRID, 256, 256, 256, None, 0),
+    ],
+)
+def test_restore_points(
+    memory: Memory, length: int, matched: int, n: int, logits_at: int | None, expected: int
+) -> None:
+    assert memory.restore_point(length, matched, n, logits_at) == expected
+
+
+def test_live_points_cut_full_and_window_memories_and_take_recurrent_ones_whole() -> None:
+    assert FULL.live_point(held=1012, frontier=1000, matched=1012, n=1100, logits_at=1000) == 960
+    assert SWA.live_point(1012, 1000, 1012, 1100, 1000) == 960
+    assert RECURRENT.live_point(1012, 1000, 1012, 1100, 1000) == 0  # generated tokens: not its own length
+    assert RECURRENT.live_point(1024, 1024, 1024, 1100, 1024) == 1024
+
+
+@pytest.mark.parametrize(
+    ("memory", "k", "pos", "holds"),
+    [
+        (FULL, 640, (0, 639), True),
+        (FULL, 640, (1, 639), False),
+        (FULL, 640, (0, 700), False),  # a cut that did not happen
+        (SWA, 1024, (512, 1023), True),  # a restored state: its last window
+        (SWA, 640, (512, 639), False),  # ... cut: positions 128..511 are gone, though seq_rm said yes
+        (SWA, 640, (0, 639), True),
+        (RING, 640, (0, 639), True),  # a ring that never wrapped
+        (RING, 896, (192, 895), False),  # a wrapped ring: cells in another order than a fresh run's
+        (RECURRENT, 256, (255, 255), True),
+        (HYBRID, 128, (255, 255), False),  # seq_rm refused: the state is still at 256
+        (FULL, 0, (-1, -1), True),
+    ],
+)
+def test_holds_reads_llama_cpps_account_of_the_positions(
+    memory: Memory, k: int, pos: tuple[int, int], holds: bool
+) -> None:
+    assert memory.holds(k, *pos) is holds
+
+
+def test_snapshots_and_indexing_for_memories_that_cannot_be_cut() -> None:
+    assert FULL.snapshot_point(700, 0) == 0  # a full state is cut when it is saved instead
+    assert SWA.snapshot_point(700, 0) == 640 and SWA.snapshot_point(700, 700) == 700
+    assert RING.snapshot_point(700, 0) == 0 and RING.snapshot_point(500, 0) == 448
+    assert FULL.indexed_at(512, 700) and not FULL.indexed_at(768, 700)
+    assert RECURRENT.indexed_at(768, 640) and not RECURRENT.indexed_at(512, 640)
+    assert RECURRENT.reusable(640, False) and not RECURRENT.reusable(650, False) and RECURRENT.reusable(650, True)
+    assert not RING.reusable(640, True) and FULL.reusable(10, True) and not FULL.reusable(10, False)
+
+
+@given(
+    st.sampled_from([FULL, SWA, RING, RECURRENT, HYBRID]),
+    st.integers(0, 4096),
+    st.integers(0, 4096),
+    st.integers(1, 4096),
+    st.booleans(),
+)
+def test_every_restore_point_is_one_the_cold_prefill_also_reaches(
+    memory: Memory, length: int, matched: int, n: int, logits: bool
+) -> None:
+    k = memory.restore_point(length, matched, n, length if logits else None)
+    assert 0 <= k <= min(length, matched, n)
+    assert k % memory.chunk == 0 or (k == n == length and logits)
+    assert k == 0 or memory.cuts_states or k == length

@@ -1,0 +1,146 @@
+"""Every route on every memory kind over FakeBackend: the reply is always a cold prefill's, and a route the
+kind's rules refuse says so (reuse_refused, or a miss). Split-sensitive models throughout, as Gemma is."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from barreld.names import MemoryKind
+from tests.fakes.backend import write_gguf
+
+from .conftest import CHUNK, Engine, WatchedStore, plain
+
+WINDOW = 24
+KINDS = {  # name: (memory kind, swa_full)
+    "full": (MemoryKind.FULL, True),
+    "swa": (MemoryKind.SWA, True),
+    "swa_ring": (MemoryKind.SWA, False),  # without swa_full: a ring of WINDOW + n_batch cells
+    "recurrent": (MemoryKind.RECURRENT, True),
+    "hybrid": (MemoryKind.HYBRID, True),
+}
+
+
+@pytest.fixture(params=list(KINDS))
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def engine(tmp_path: Path, store: WatchedStore, kind: str) -> Iterator[Engine]:
+    memory, swa_full = KINDS[kind]
+    window = WINDOW if memory is MemoryKind.SWA else 0
+    model = write_gguf(tmp_path / f"{kind}.gguf", memory=memory, window=window, split=True)
+    e = Engine(tmp_path, store, model_file=model)
+    e.load(swa_full=swa_full)
+    yield e
+    e.close()
+
+
+def finished(engine: Engine, n: int, seed: int) -> tuple[bytes, object]:
+    """A prompt of n tokens and its first reply, which ends at max_tokens (all its text is in the key)."""
+    for s in range(seed, seed + 50):
+        a = plain(n, s)
+        first = engine.run(a)
+        if first.done.finish_reason == "length":
+            return a, first
+    raise AssertionError("every reply ended with end-of-generation")
+
+
+def test_chat_turn_two_reuses_turn_ones_prompt(engine: Engine, kind: str) -> None:
+    """Live: a cut for full and swa, the prompt's snapshot for recurrent and hybrid; never the reply."""
+    a, first = finished(engine, 40, 1)
+    prompt = a + first.text + b"#next"
+    reply = engine.run(prompt)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("live", 40)
+    assert reply.text == engine.cold(prompt).text
+
+
+def test_resume_after_a_restart(engine: Engine, kind: str) -> None:
+    a, first = finished(engine, 40, 2)
+    prompt = a + first.text + b"#next"
+    reply = engine.restarted().run(prompt, parent_key=first.done.key)
+    if kind == "swa_ring":  # a state of more than WINDOW tokens lacks cells a fresh ring would hold: not saved
+        assert reply.route == "miss" and engine.rows() == []
+    else:
+        assert (reply.route, reply.started.cache.restored_tokens) == ("resume", 40)
+    assert reply.text == engine.cold(prompt).text
+
+
+def test_exact_after_a_restart_samples_from_the_stored_logits(engine: Engine, kind: str) -> None:
+    a, first = finished(engine, 40, 3)
+    reply = engine.restarted().run(a)
+    expected = ("miss", 0) if kind == "swa_ring" else ("exact", 40)
+    assert (reply.route, reply.started.cache.restored_tokens) == expected
+    assert reply.text == first.text == engine.cold(a).text
+
+
+def test_longest_prefix_finds_the_cold_capture(engine: Engine, kind: str) -> None:
+    a, _ = finished(engine, 40, 4)  # a cold checkpoint of its first 32 tokens
+    prompt = a[:35] + plain(15, 99)[1:]
+    reply = engine.restarted().run(prompt)
+    expected = ("miss", 0) if kind == "swa_ring" else ("longest_prefix", 32)
+    assert (reply.route, reply.started.cache.restored_tokens) == expected
+    assert reply.text == engine.cold(prompt).text
+    whole = engine.restarted().run(a[:31])  # exactly the captured 32 tokens
+    assert whole.route == ("miss" if kind == "swa_ring" else "exact")
+    assert whole.text == engine.cold(a[:31]).text
+
+
+def test_a_prompt_that_leaves_turn_one_midway(engine: Engine, kind: str) -> None:
+    """It shares 20 tokens: full attention and a sliding window cut the live sequence back to 16; a
+    recurrent state exists only at its own length, so it is refused and counted."""
+    a, _ = finished(engine, 40, 5)
+    prompt = a[:19] + plain(20, 98)[1:]
+    reply = engine.run(prompt)
+    if KINDS[kind][0] in (MemoryKind.RECURRENT, MemoryKind.HYBRID):
+        assert reply.route == "miss" and engine.counter("reuse_refused") >= 1
+    else:
+        assert (reply.route, reply.started.cache.restored_tokens) == ("live", 16)
+    assert reply.text == engine.cold(prompt).text
+
+
+def test_a_short_prompt_is_reused_on_every_kind(engine: Engine, kind: str) -> None:
+    """Within the window every SWA cell of a saved state is in it: restores are exact without swa_full too."""
+    a, first = finished(engine, 20, 6)  # a cold checkpoint at 16, a finish state at 16
+    prompt = a + first.text + b"#next"
+    reply = engine.restarted().run(prompt, parent_key=first.done.key)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("resume", 16)
+    assert reply.text == engine.cold(prompt).text
+
+
+@pytest.mark.parametrize("kind", ["swa_ring"], indirect=True)
+def test_a_wrapped_ring_is_never_cut(engine: Engine, kind: str) -> None:
+    """Past WINDOW + n_batch cells the ring wraps: cells lie in another order than a fresh run's."""
+    a, first = finished(engine, 100, 7)
+    prompt = a + first.text + b"#next"
+    reply = engine.run(prompt)
+    assert reply.route == "miss" and engine.counter("reuse_refused") == 1
+    assert reply.text == engine.cold(prompt).text
+
+
+@pytest.mark.parametrize("kind", ["full", "recurrent"], indirect=True)
+def test_a_restore_llama_cpp_does_not_account_for_is_prefilled_cold(
+    engine: Engine, kind: str, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, first = finished(engine, 40, 8)
+    later = engine.restarted()
+    monkeypatch.setattr(later.backend(), "seq_pos_range", lambda seq: (1, 39))
+    reply = later.run(a)
+    assert reply.route == "miss" and later.counter("reuse_refused") == 1
+    assert "prefilling instead" in caplog.text
+    assert reply.text == first.text
+
+
+def test_every_save_is_a_chunk_boundary_or_a_whole_prompt(engine: Engine, kind: str) -> None:
+    """What a later prompt can start from: the frontier is a multiple of the chunk size, or the prompt
+    itself with its logits; a memory that cannot be cut never stores generated tokens' KV."""
+    finished(engine, 43, 9)
+    rows = engine.rows()
+    assert rows or kind == "swa_ring"
+    for row in rows:
+        assert row["memory"] == str(KINDS[kind][0])
+        assert row["frontier"] % CHUNK == 0 or row["frontier"] == 43
+        assert row["frontier"] <= 43 < row["tokens"] or row["save_reason"] == "cold"
