@@ -18,8 +18,8 @@ import pytest
 
 from barrelctl.client import Completion
 from barrelctl.sandbox import Sandbox
+from barrelctl.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 from barreld.engine.registry import bundled_model_path
-from tests.models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 
 pytestmark = pytest.mark.model
 
