@@ -28,6 +28,7 @@ from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
     CompletionParams,
     Done,
+    EventSink,
     Failed,
     Request,
     Started,
@@ -69,7 +70,7 @@ class ModelWorker:
 
     # ---- called from server threads -------------------------------------------------------
 
-    def submit(self, params: CompletionParams) -> Request:
+    def submit(self, params: CompletionParams, events: EventSink | None = None) -> Request:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
         params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False)
@@ -81,7 +82,7 @@ class ModelWorker:
                     f"model {self.name} has {len(self._waiting)} requests queued (the limit); retry later"
                 )
             self._next_id += 1
-            req = Request(self._next_id, params)
+            req = Request(self._next_id, params) if events is None else Request(self._next_id, params, events)
             self._waiting.append(req)
             self._cond.notify()
         return req
