@@ -268,14 +268,14 @@ class Client:
     def cache_stats(self, *, timeout: float | None = None) -> pb.CacheStatsReply:
         return self._call("CacheStats", _pb().CacheStatsRequest(), timeout)
 
-    def cache_gc(self, *, timeout: float | None = None) -> int:
-        """Evicts every unreferenced row; how many."""
-        return self._call("CacheGc", _pb().CacheGcRequest(), timeout).evicted
+    def cache_gc(self, *, tiers: Sequence[str] = (), timeout: float | None = None) -> int:
+        """Evicts every unreferenced row of `tiers` (empty: every local tier); how many."""
+        return self._call("CacheGc", _pb().CacheGcRequest(tiers=list(tiers)), timeout).evicted
 
     def cache_evict_bytes(
         self, n: int, *, tiers: Sequence[str] = (), timeout: float | None = None
     ) -> pb.CacheEvictBytesReply:
-        """Frees at least n bytes, least recently used first, from `tiers` (empty: every tier)."""
+        """Frees at least n bytes, least recently used first, from `tiers` (empty: every local tier)."""
         return self._call("CacheEvictBytes", _pb().CacheEvictBytesRequest(bytes=n, tiers=list(tiers)), timeout)
 
     def cache_verify(

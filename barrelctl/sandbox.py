@@ -158,6 +158,15 @@ class Sandbox:
             time.sleep(0.05)
         raise RuntimeError(f"barreld not ready after {timeout}s:\n{self.log_text()[-4000:]}")
 
+    def wait_models(self, names: set[str], timeout: float = 300) -> None:
+        """Until every one of `names` is loaded: the daemon answers while it still loads its configured models."""
+        deadline = time.monotonic() + timeout
+        with self.client() as c:
+            while not names <= {m.name for m in c.models()}:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{sorted(names)} not all loaded after {timeout}s:\n{self.log_text()[-4000:]}")
+                time.sleep(0.1)
+
     def stop(self, proc: subprocess.Popen, timeout: float = 60) -> int:
         """SIGTERM (the shutdown saves run) and its exit status; SIGKILL only if it outlasts `timeout`."""
         proc.terminate()

@@ -29,6 +29,7 @@ from barreld.http.address import ListenAddress, load_api_keys, parse_listen
 from barreld.names import (
     FINGERPRINT_MODES,
     KV_CACHE_TYPES,
+    MEMORY_TIERS,
     PLAIN_KV_TYPES,
     REDIS_TIER,
     TIER_NAMES,
@@ -71,7 +72,7 @@ class SchedulerConfig:
     interval_ms: int = 5000
     high_watermark: float = 0.85
     low_watermark: float = 0.75
-    evict_tiers: tuple[str, ...] = ("ram", "ram_file")
+    evict_tiers: tuple[str, ...] = MEMORY_TIERS
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
 
 TIER_RANK: dict[str, int] = {name: rank for rank, name in enumerate(TIER_NAMES)}
 
+MEMORY_TIERS: tuple[str, ...] = TIER_NAMES[:2]
+"""The tiers held in memory (the daemon's RAM and /dev/shm files): what memory pressure evicts by default."""
+
 REDIS_TIER = "redis"
 """The shared tier on a Redis server, beneath the local ones; not in TIER_NAMES, which holds this host's own."""
 

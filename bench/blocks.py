@@ -33,7 +33,8 @@ from bench.report import Table, put_section  # noqa: E402
 from bench.traces import Agent, agent_system, chat_system, chat_user, chatml, reply_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-SECTION = "## 7. Shared prefixes stored once: blocks"
+SECTION = "blocks"
+HEADING = "## 8. Shared prefixes stored once: blocks"
 PLOT = Path(__file__).resolve().parent / "blocks.png"
 STATE_BYTES_PER_TOKEN = 23_052  # SmolLM2's sequence state per token (744 bytes of header besides)
 AGENT_STEPS = ("start", "append", "append", "insert", "append", "drop")
@@ -253,7 +254,8 @@ def report(traces: list[dict], times: dict, raw_evict: dict, wall: float) -> str
             "prompt repeated. A smaller block shortens the tails, which weigh most on a chat whose turns add a hundred "
             "tokens each: the default is 128, the smallest block the default prefill chunk (n_batch 512) allows.\n")
     m = machine()
-    return (f"![Stored bytes per request](blocks.png)\n\n{storage.markdown()}\n{note}\n{warm.markdown()}\n{evict}\n"
+    return (f"{HEADING}\n![Stored bytes per request](blocks.png)\n\n{storage.markdown()}\n{note}\n"
+            f"{warm.markdown()}\n{evict}\n"
             f"Run by `python -m bench.blocks` in {wall / 60:.1f} min on {m.get('cpu', '?')}; stride "
             f"(boundary_align_tokens) {STRIDE}, n_batch 512 (prefill chunk 128), disk tier for storage.\n")
 

@@ -126,10 +126,12 @@ def ttft_section(tok: Tokenizer, pairs: int) -> Table:
               "TTFT is the client's, from sending the request to the first text; gRPC and HTTP are its medians, "
               "HTTP - gRPC the median of the pairs' differences. 'Outside the engine' is the median of each "
               "request's client TTFT less the daemon's own `timings_ms.ttft` (from the request reaching the "
-              "worker to its first token): the front end's and the transport's share. HTTP's path has one thread "
-              "handoff more than gRPC's: a worker's event goes to the call's reader thread, then to the event "
-              "loop that writes the socket, where gRPC's serving thread reads it and writes itself; on two busy "
-              "cores each handoff waits for a core that llama.cpp's decode threads hold. 'exact' sends an "
+              "worker to its first token): the front end's and the transport's share. The worker hands HTTP's events "
+              "straight to the event loop that writes the socket. A request sent on a kept-alive connection at once "
+              "after that connection's previous streamed response waits about 40 ms longer for its first chunk "
+              "(not so after a pause of 50 ms, or on another connection; the daemon's own TTFT is the same): so "
+              "'live', whose pairs put two HTTP requests back to back every other time, shows a gap 'exact' "
+              "does not (its flush request comes between). 'exact' sends an "
               "unrelated prompt before each request, so that the prompt comes back from the disk tier rather "
               "than from the live sequence.")
     return t

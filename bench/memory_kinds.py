@@ -27,13 +27,13 @@ from pathlib import Path
 
 from barrelctl.client import Completion
 from barrelctl.sandbox import Sandbox
+from barrelctl.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 from bench.harness import Tokenizer, machine, median, model_path, progress
 from bench.report import Table, ms, pct, put_section, times
 from bench.traces import FULL_STEPS, QUICK_STEPS, Agent, agent_system, reply_text
-from tests.models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 
 SECTION = "memory_kinds"
-WARM = '[policy]\nmin_tokens = 256\ncold_min_tokens = 256\nboundary_align_tokens = 256\n'
+WARM = "[policy]\nmin_tokens = 256\ncold_min_tokens = 256\nboundary_align_tokens = 256\n"
 COLD = '[policy]\nmin_tokens = "infinity"\n'
 MODELS: dict[str, tuple[str, Callable[[], Path], str]] = {  # name: (memory, path, extra [[models]] lines)
     "smollm2": ("full", model_path, ""),
@@ -66,9 +66,11 @@ class Trace:
 
 def daemon(policy: str, name: str) -> Sandbox:
     memory, path, extra = MODELS[name]
-    box = Sandbox.new(f'{policy}\n[[models]]\nname = "{name}"\npath = "{path()}"\nn_threads = 1\n{extra}',
-                      label="bench")
+    box = Sandbox.new(
+        f'{policy}\n[[models]]\nname = "{name}"\npath = "{path()}"\nn_threads = 1\n{extra}', label="bench"
+    )
     box.start_daemon("--log-level", "warning", timeout=300)
+    box.wait_models({name})
     return box
 
 
@@ -90,8 +92,10 @@ def run(name: str, tok: Tokenizer, agents: int, steps: tuple[str, ...]) -> Trace
                 ask(cold, name, f"~{len(trace.pairs)} unrelated")
                 trace.pairs.append(Pair(op, w, ask(cold, name, prompt)))
                 a.answered(reply_text(w.text))
-                progress(f"  {name} {op:<6} {w.route} {w.restored}/{w.prompt_tokens}: {ms(w.client_ttft_ms)}, "
-                         f"cold {ms(trace.pairs[-1].cold.client_ttft_ms)}")
+                progress(
+                    f"  {name} {op:<6} {w.route} {w.restored}/{w.prompt_tokens}: {ms(w.client_ttft_ms)}, "
+                    f"cold {ms(trace.pairs[-1].cold.client_ttft_ms)}"
+                )
         with warm.client() as c:
             trace.refused = c.cache_stats().counters["reuse_refused"]
     finally:
@@ -101,23 +105,51 @@ def run(name: str, tok: Tokenizer, agents: int, steps: tuple[str, ...]) -> Trace
 
 
 def table(traces: dict[str, Trace]) -> Table:
-    t = Table("Agent trace per memory kind: reuse ratio and time to first token, warm vs cold",
-              ["model", "memory", "requests", "prompt tokens", "reuse ratio", "median TTFT warm", "cold",
-               "faster", "sum TTFT warm", "cold", "reuse_refused", "replies identical", "paths"])
+    t = Table(
+        "Agent trace per memory kind: reuse ratio and time to first token, warm vs cold",
+        [
+            "model",
+            "memory",
+            "requests",
+            "prompt tokens",
+            "reuse ratio",
+            "median TTFT warm",
+            "cold",
+            "faster",
+            "sum TTFT warm",
+            "cold",
+            "reuse_refused",
+            "replies identical",
+            "paths",
+        ],
+    )
     for name, tr in traces.items():
         warm = [p.warm.client_ttft_ms for p in tr.pairs]
         cold = [p.cold.client_ttft_ms for p in tr.pairs]
         routes: dict[str, int] = {}
         for p in tr.pairs:
             routes[p.warm.route] = routes.get(p.warm.route, 0) + 1
-        t.add(name, tr.memory, len(tr.pairs), sum(p.warm.prompt_tokens for p in tr.pairs), pct(tr.reuse()),
-              ms(median(warm)), ms(median(cold)), times(median(cold), median(warm)), ms(sum(warm)), ms(sum(cold)),
-              tr.refused, f"{tr.identical()}/{len(tr.pairs)}", ", ".join(f"{k} {v}" for k, v in sorted(routes.items())))
+        t.add(
+            name,
+            tr.memory,
+            len(tr.pairs),
+            sum(p.warm.prompt_tokens for p in tr.pairs),
+            pct(tr.reuse()),
+            ms(median(warm)),
+            ms(median(cold)),
+            times(median(cold), median(warm)),
+            ms(sum(warm)),
+            ms(sum(cold)),
+            tr.refused,
+            f"{tr.identical()}/{len(tr.pairs)}",
+            ", ".join(f"{k} {v}" for k, v in sorted(routes.items())),
+        )
     return t
 
 
-def section(traces: dict[str, Trace], m: dict, argv: list[str], elapsed: float, agents: int,
-            steps: tuple[str, ...]) -> str:
+def section(
+    traces: dict[str, Trace], m: dict, argv: list[str], elapsed: float, agents: int, steps: tuple[str, ...]
+) -> str:
     command = " ".join(["python -m bench.memory_kinds", *argv])
     head = [
         "## Memory kinds",

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from barrelctl.redis_sandbox import RedisServer
 from barrelctl.sandbox import Sandbox
-from tests.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 
 from barrelctl.client import Completion
 from barrelctl.sandbox import Sandbox
+from barrelctl.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 from barreld.engine.registry import bundled_model_path
-from tests.models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 
 pytestmark = pytest.mark.model
 
@@ -99,6 +99,7 @@ def reasons(w: Sandbox) -> set[str]:
 def warm() -> Iterator[Sandbox]:
     with Sandbox.new(POLICY + models_config()) as w:
         w.start_daemon(timeout=300)
+        w.wait_models(set(MODELS))
         yield w
 
 
@@ -106,6 +107,7 @@ def warm() -> Iterator[Sandbox]:
 def cold() -> Iterator[Sandbox]:
     with Sandbox.new(NO_SAVES + models_config()) as w:
         w.start_daemon(timeout=300)
+        w.wait_models(set(MODELS))
         yield w
 
 
@@ -123,9 +125,10 @@ def expected_routes(model: str, n1: int) -> dict[str, tuple[str, int]]:
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, model: str) -> None:
-    """Turn one (a miss, with a cold capture during its prefill), then turn two from its live sequence, the
-    same prompt again, a resumed turn two and a prompt that leaves turn one near its end, each from the
-    store: every reply is the reference's, and only prefilled tokens are ever reused."""
+    """Turn one (a miss, with a cold capture during its prefill), then turn two from its live sequence, a
+    prompt that leaves it halfway (a cut, or refused and counted where a state cannot be cut), then from the
+    store the same prompt again, a resumed turn two and a prompt that leaves turn one near its end: every
+    reply is the reference's, and only prefilled tokens are ever reused."""
     turn1 = doc(len(model), MODELS[model].words)
     flush(cold, model)
     first, ref = ask(warm, model, turn1), ask(cold, model, turn1)
@@ -134,6 +137,7 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
     text = first.text.decode("utf-8", "replace")
     cases = [
         ("live", turn1 + text + "\nQuestion: what happened next?", ""),
+        ("midway", turn1[: len(turn1) // 2] + " and then something else entirely happened", ""),
         ("exact", turn1, ""),
         ("resume", turn1 + text + "\nAnd after that, the river?", first.key),
         # past the cold capture (turn one's last stride boundary), which a state that cannot be cut needs
@@ -141,12 +145,18 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
     ]
     expected = expected_routes(model, first.prompt_tokens)
     for case, prompt, parent in cases:
-        if case != "live":
+        if case not in ("live", "midway"):
             flush(warm, model)
         flush(cold, model)
+        refused = counters(warm)["reuse_refused"]
         got, ref = ask(warm, model, prompt, parent), ask(cold, model, prompt)
         assert ref.route == "miss" and got.text == ref.text, (case, got.route, got.restored)
-        if case in expected:
+        if case == "midway" and MODELS[model].memory in ("recurrent", "hybrid"):
+            # the live sequence shares half of its prompt, but a recurrent state exists at its end only
+            assert got.route == "miss" and counters(warm)["reuse_refused"] > refused
+        elif case == "midway":
+            assert got.route == "live" and got.restored % CHUNK == 0 and got.restored > 0, (got.route, got.restored)
+        elif case in expected:
             assert (got.route, got.restored) == expected[case], case
         else:
             assert got.route == case and got.restored % CHUNK == 0 and got.restored > 0, (got.route, got.restored)
@@ -161,6 +171,34 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
     assert all(r["blocks"] == (0 if MODELS[model].memory == "recurrent" else r["frontier"] // BLOCK) for r in rows)
     if sum(1 for r in rows if r["blocks"]) > 1:  # one conversation's rows share its first blocks
         assert any(r["shared_bytes"] for r in rows)
+
+
+def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> None:
+    """`models` shows each model's memory kind, window and knobs; a load with every knob set serves, and a
+    cache type the model's heads cannot hold is refused with the reason; dump rows show their kind."""
+    models = {m["name"]: m for m in warm.ctl("--json", "models").json()["models"]}
+    got = {name: (m["memory"], m["swa_window"], m["swa_full"], m["prefill_chunk"]) for name, m in models.items()}
+    assert got == {"smollm2": ("full", 0, False, CHUNK), "gemma": ("swa", 512, True, CHUNK),
+                   "gemma_ring": ("swa", 512, False, CHUNK), "mamba": ("recurrent", 0, False, CHUNK),
+                   "lfm2": ("hybrid", 0, False, CHUNK)}
+    assert models["mamba"]["reuse"] == "a state at its own length only" and models["smollm2"]["n_threads"] == 1
+    table = warm.ctl("models", COLUMNS="250").out
+    assert "swa(512)" in table and "hybrid" in table and "restores and cuts at any chunk boundary" in table
+    quantised = ("--flash-attn", "--type-k", "q8_0", "--type-v", "q4_0")
+    r = warm.ctl("--json", "load", "knobs", "--path", _bundled(), "--n-threads", "2", "--n-gpu-layers", "0",
+                 "--no-swa-full", *quantised)
+    assert r.rc == 0, r.err
+    loaded = r.json()
+    assert (loaded["n_threads"], loaded["n_gpu_layers"], loaded["gpu_layers"], loaded["flash_attn"]) == (2, 0, 0, True)
+    assert (loaded["type_k"], loaded["type_v"], loaded["memory"]) == ("q8_0", "q4_0", "full")
+    assert ask(warm, "knobs", doc(7, 200)).completion_tokens == 12
+    assert warm.ctl("unload", "knobs").rc == 0
+    # the tiny LFM2's heads are 16 wide: llama.cpp stores no 32-value block in them, and the error says so
+    r = warm.ctl("load", "narrow", "--path", str(tiny_hybrid_path()), *quantised)
+    assert r.rc == 1 and "head size to be a multiple" in r.err and r.err.count("\n") == 1, r.err
+    dump = warm.ctl("cache", "dump", "--model", "knobs", COLUMNS="250").out.splitlines()
+    rows = [line for line in dump if "knobs" in line]
+    assert "memory" in dump[2] and rows and all("full" in line for line in rows), dump
 
 
 def test_live_turn_equals_restored_turn_after_restart() -> None:

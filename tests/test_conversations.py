@@ -20,8 +20,8 @@ import pexpect
 import pytest
 
 from barrelctl.sandbox import Sandbox
+from barrelctl.sandbox_models import gemma_path
 from barreld.engine.chat import Message
-from tests.models import gemma_path
 
 pytestmark = pytest.mark.model
 

@@ -12,10 +12,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from barrelctl.sandbox_models import gemma_path
 from barreld.engine.backend import BackendError, BatchItem
 from barreld.engine.llama_backend import ContextSettings, LlamaBackend
 from barreld.engine.registry import bundled_model_path
-from tests.models import gemma_path
 
 pytestmark = pytest.mark.model
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 6
@@ -81,8 +81,11 @@ def test_a_cpu_build_offloads_nothing_and_the_state_is_the_same(n_gpu_layers: in
         b.close()
 
 
-@pytest.mark.parametrize(("path", "sensitive"), [(lambda: bundled_model_path("smollm2"), False), (gemma_path, True)],
-                         ids=["smollm2", "gemma"])
+@pytest.mark.parametrize(
+    ("path", "sensitive"),
+    [(lambda: bundled_model_path("smollm2"), False), (gemma_path, True)],
+    ids=["smollm2", "gemma"],
+)
 def test_the_prefill_split_changes_the_state_of_some_models(path, sensitive: bool) -> None:
     """Gemma's repacked Q4_K kernels give other floats when batches split elsewhere; SmolLM2's do not. So the
     chunk size every prefill splits at is in the key."""

@@ -169,7 +169,7 @@ def test_dump_human_table(ops: Sandbox) -> None:
 def test_stats_counts_and_per_tier_bytes_against_quota(ops: Sandbox) -> None:
     rows = dump(ops)
     doc_ = ok(ops.ctl("--json", "cache", "stats")).json()
-    assert set(doc_) == {"counters", "tiers"}
+    assert set(doc_) == {"counters", "tiers", "redis"} and doc_["redis"] is None  # no [tiers.redis] here
     counters = doc_["counters"]
     for name in CONTRACT_COUNTERS:
         assert isinstance(counters[name], int), name

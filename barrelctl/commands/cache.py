@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -9,15 +10,22 @@ import typer
 from barrelctl import render, state
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
-from barreld.names import TIER_NAMES
+from barreld.names import REDIS_TIER, TIER_NAMES
 from barreld.sizes import parse_size
 
 app = typer.Typer(help="Inspect the KV cache and free space.", no_args_is_help=True)
 
 
+TIERS = (*TIER_NAMES, REDIS_TIER)
+TIER_HELP = "ram, ram_file, disk, or redis (the shared tier: only when named)"
+TierList = Annotated[
+    list[str] | None, typer.Option("--tier", help=f"Only this tier (repeatable; default every local one): {TIER_HELP}.")
+]
+
+
 def _tier(value: str | None) -> str:
-    if value is not None and value not in TIER_NAMES:
-        raise CliError(f"bad tier {value!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
+    if value is not None and value not in TIERS:
+        raise CliError(f"bad tier {value!r}: use one of {', '.join(TIERS)}", EXIT_USAGE)
     return value or ""
 
 
@@ -31,10 +39,10 @@ def row_json(r) -> dict:
 @app.command("dump")
 def cache_dump(
     model: Annotated[str | None, typer.Option("--model", help="Only rows of this model.")] = None,
-    tier: Annotated[str | None, typer.Option("--tier", help="Only rows in this tier: ram, ram_file or disk.")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help=f"Only rows in this tier: {TIER_HELP}.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List every index row."""
+    """List every index row (with --tier redis, the shared tier's rows)."""
     rows = [row_json(r) for r in state.client().cache_dump(model=model or "", tier=_tier(tier))]
     if state.want_json(json_out):
         render.print_json({"rows": rows})
@@ -68,8 +76,9 @@ def cache_stats(json_out: JsonOpt = False) -> None:
     reply = state.client().cache_stats()
     counters = dict(sorted(reply.counters.items()))
     tiers = {name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields} for name, t in reply.tiers.items()}
+    remote = json.loads(reply.redis_json) if reply.redis_json else None
     if state.want_json(json_out):
-        render.print_json({"counters": counters, "tiers": tiers})
+        render.print_json({"counters": counters, "tiers": tiers, REDIS_TIER: remote})
         return
     render.table(
         "tiers",
@@ -94,12 +103,40 @@ def cache_stats(json_out: JsonOpt = False) -> None:
         ((k, f"{v / 1e6:.1f} ms" if k.endswith("_ns") else v) for k, v in counters.items()),
         right=("value",),
     )
+    if remote is not None:
+        _remote_table(remote)
+
+
+def _remote_table(r: dict) -> None:
+    """The shared tier: where, whether it answers, traffic, and what went wrong by kind."""
+    rtt = "-" if r["rtt_ms"] is None else f"{r['rtt_ms']:.2f} ms"
+    rows = [
+        ("server", f"{r['url']} (prefix {r['prefix']}, {'read-write' if r['write'] else 'read-only'})"),
+        ("reachable", f"{'yes' if r['reachable'] else 'no'}, last round trip {rtt}"),
+        ("restores (hits)", r["hits"]),
+        ("misses", _by_kind(r["misses"])),
+        ("errors", _by_kind(r["errors"])),
+        ("bytes read / written", f"{render.size(r['bytes_read'])} / {render.size(r['bytes_written'])}"),
+        ("mirrors", f"{r['mirrors']} written, {r['mirrors_present']} already there, "
+                    f"{r['mirrors_failed']} failed, {r['mirrors_dropped']} dropped"),
+    ]
+    if r["quota"] is not None:
+        used = "-" if r["used_bytes"] is None else render.size(r["used_bytes"])
+        rows.append(("used / quota", f"{used} / {render.size(r['quota'])}"))
+    render.pairs(REDIS_TIER, rows)
+
+
+def _by_kind(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "0"
 
 
 @app.command("gc")
-def cache_gc(json_out: JsonOpt = False) -> None:
-    """Evict every unreferenced row."""
-    evicted = state.client().cache_gc()
+def cache_gc(
+    tier: TierList = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Evict every unreferenced row; with --tier redis, delete Barrel's keys (its prefix) from Redis."""
+    evicted = state.client().cache_gc(tiers=[_tier(t) for t in tier or []])
     if state.want_json(json_out):
         render.print_json({"evicted": evicted})
     else:
@@ -111,9 +148,7 @@ def cache_evict_bytes(
     size: Annotated[
         str, typer.Argument(help="Bytes to free: a whole number with optional K, M, G, T (powers of 1024).")
     ],
-    tier: Annotated[
-        list[str] | None, typer.Option("--tier", help="Only from this tier (repeatable; default all).")
-    ] = None,
+    tier: TierList = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Free at least SIZE bytes, least recently used first."""

@@ -13,15 +13,25 @@ from barrelctl.state import JsonOpt
 from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES
 
 NThreads = Annotated[int | None, typer.Option("--n-threads", help="CPU threads (default: the usable cores).")]
-NGpuLayers = Annotated[int | None, typer.Option(
-    "--n-gpu-layers", help="Layers to offload to the GPU: -1 all the build can (default), 0 none.")]
-FlashAttn = Annotated[bool | None, typer.Option(
-    "--flash-attn/--no-flash-attn", help="Flash attention (default: off). Needed for a quantised V cache.")]
+NGpuLayers = Annotated[
+    int | None,
+    typer.Option("--n-gpu-layers", help="Layers to offload to the GPU: -1 all the build can (default), 0 none."),
+]
+FlashAttn = Annotated[
+    bool | None,
+    typer.Option(
+        "--flash-attn/--no-flash-attn", help="Flash attention (default: off). Needed for a quantised V cache."
+    ),
+]
 TypeK = Annotated[str | None, typer.Option("--type-k", help=f"K cache type: {', '.join(KV_CACHE_TYPES)}.")]
 TypeV = Annotated[str | None, typer.Option("--type-v", help="V cache type (quantised ones need --flash-attn).")]
-SwaFull = Annotated[bool | None, typer.Option(
-    "--swa-full/--no-swa-full",
-    help="Keep every sliding-window cell in the live context, so live cuts stay exact (default: on).")]
+SwaFull = Annotated[
+    bool | None,
+    typer.Option(
+        "--swa-full/--no-swa-full",
+        help="Keep every sliding-window cell in the live context, so live cuts stay exact (default: on).",
+    ),
+]
 
 
 def model_json(m) -> dict:
@@ -54,8 +64,17 @@ def model_json(m) -> dict:
     }
 
 
-def _check_knobs(n_threads: int | None, n_gpu_layers: int | None, flash_attn: bool | None, type_k: str | None,
-                 type_v: str | None) -> None:
+def _check_context(tier: str | None, n_ctx: int | None, n_batch: int | None, n_seq_max: int | None) -> None:
+    if tier is not None and tier not in TIER_NAMES:
+        raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
+    for flag, value in (("--n-ctx", n_ctx), ("--n-batch", n_batch), ("--n-seq-max", n_seq_max)):
+        if value is not None and value < 1:
+            raise CliError(f"bad {flag} {value}: must be at least 1", EXIT_USAGE)
+
+
+def _check_knobs(
+    n_threads: int | None, n_gpu_layers: int | None, flash_attn: bool | None, type_k: str | None, type_v: str | None
+) -> None:
     if n_threads is not None and n_threads < 1:
         raise CliError(f"bad --n-threads {n_threads}: must be at least 1", EXIT_USAGE)
     if n_gpu_layers is not None and n_gpu_layers < -1:
@@ -102,23 +121,31 @@ def model_load(
     json_out: JsonOpt = False,
 ) -> None:
     """Load a model under NAME."""
-    if tier is not None and tier not in TIER_NAMES:
-        raise CliError(f"bad --tier {tier!r}: use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
-    for flag, value in (("--n-ctx", n_ctx), ("--n-batch", n_batch), ("--n-seq-max", n_seq_max)):
-        if value is not None and value < 1:
-            raise CliError(f"bad {flag} {value}: must be at least 1", EXIT_USAGE)
+    _check_context(tier, n_ctx, n_batch, n_seq_max)
     _check_knobs(n_threads, n_gpu_layers, flash_attn, type_k, type_v)
     resolved = str(path.expanduser().resolve()) if path else ""
     info = state.client().load(
-        name, path=resolved, tier=tier or "", n_ctx=n_ctx or 0, n_batch=n_batch or 0, n_seq_max=n_seq_max or 0,
-        policy=_policy(policy or []), n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-        type_k=type_k or "", type_v=type_v or "", swa_full=swa_full,
+        name,
+        path=resolved,
+        tier=tier or "",
+        n_ctx=n_ctx or 0,
+        n_batch=n_batch or 0,
+        n_seq_max=n_seq_max or 0,
+        policy=_policy(policy or []),
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        flash_attn=flash_attn,
+        type_k=type_k or "",
+        type_v=type_v or "",
+        swa_full=swa_full,
     )
     if state.want_json(json_out):
         render.print_json(model_json(info))
     else:
-        render.out.print(f"loaded [bold]{info.name}[/bold] ({info.quant}, n_ctx {info.n_ctx}, tier {info.tier}, "
-                         f"{_memory(info)} memory) from {info.path}")
+        render.out.print(
+            f"loaded [bold]{info.name}[/bold] ({info.quant}, n_ctx {info.n_ctx}, tier {info.tier}, "
+            f"{_memory(info)} memory) from {info.path}"
+        )
 
 
 def _memory(m) -> str:

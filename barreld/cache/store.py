@@ -13,6 +13,11 @@ With `block_tokens` set, a checkpoint that carries its model's state shape is st
 place are written first, and the row's own file last, so no row is ever published before the blocks it
 names. A block is deleted with its last row; `open()` drops rows whose blocks are missing and deletes blocks
 no row names.
+
+A shared remote tier (optional, beneath the local ones) hooks in at three places: a published checkpoint
+is mirrored to it by a writer thread; a lookup that misses locally may probe it (`lookup_remote`); a
+remote hit is fetched, verified and restored from memory, and promoted into a local tier by an ordinary
+async save for next time.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from barreld.names import TIER_NAMES, TIER_RANK
+from barreld.names import REDIS_TIER, TIER_NAMES, TIER_RANK
 
 from . import blocks
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
@@ -40,6 +46,9 @@ from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Reservatio
 from .stateformat import StateFormatError
 from .tiers import BLOCK_SUFFIX, FileTier, RamTier, Tier, lock_file, thread_buffer
 from .writer import WriterPool
+
+if TYPE_CHECKING:
+    from .remote.tier import RemoteTier
 
 log = logging.getLogger("barreld.cache")
 
@@ -125,6 +134,7 @@ class CacheStore:
         writers: int = 2,
         queue_size: int = 16,
         block_tokens: int = 0,
+        remote: RemoteTier | None = None,
     ) -> None:
         unknown = set(tiers) - set(TIER_NAMES)
         if unknown:
@@ -146,6 +156,7 @@ class CacheStore:
         self._lock_fd: int | None = None
         self._pending: dict[bytes, Future] = {}
         self._plock = threading.Lock()
+        self.remote = remote
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -188,8 +199,10 @@ class CacheStore:
         if self._index is None:
             return
         if self._pool is not None:
-            self._pool.close()
+            self._pool.close()  # queued mirrors finish too
         self._release_resources()
+        if self.remote is not None:
+            self.remote.close()
 
     def _release_resources(self) -> None:
         if self._index is not None:
@@ -429,7 +442,7 @@ class CacheStore:
         t0 = time.perf_counter_ns()
         index = self._require_open()
         tier = self._tiers[tier_name]
-        key = ckpt.key
+        key, whole = ckpt.key, ckpt
         ckpt, payloads = self._as_blocks(ckpt)
         try:
             res = self._reserve(ckpt, tier_name)
@@ -466,6 +479,7 @@ class CacheStore:
             return SaveOutcome("dropped", key, tier_name, detail="reservation lost")
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
+        self._mirror(whole)  # whole: the remote tier stores states, not this tier's blocks
         return SaveOutcome("published", key, tier_name)
 
     def _reserve(self, ckpt: Checkpoint, tier_name: str) -> Reservation:
@@ -494,6 +508,17 @@ class CacheStore:
             if tier.put(key.hex(), blocks.encode_block(key, payloads[key]), claim_ok, block=True) is None:
                 raise TierWriteError(tier.name, 0, "reservation lost while writing its blocks")
 
+    def _mirror(self, ckpt: Checkpoint) -> None:
+        """Queue a copy of a published checkpoint to the remote tier behind the saves, off every request's
+        path; a full queue drops the copy (counted), as it drops a save."""
+        remote = self.remote
+        if remote is None or not remote.writes or self._pool is None:
+            return
+        try:
+            self._pool.submit(lambda: remote.mirror(ckpt))
+        except (WriterQueueFull, RuntimeError):  # RuntimeError: the pool is closing
+            remote.dropped()
+
     def _failed(self, key: bytes, tier_name: str, e: Exception) -> SaveOutcome:
         """A save that storage refused (a full or failing tier or index): counted, logged, never raised,
         so a full disk costs the cache a checkpoint and never the engine a request."""
@@ -514,15 +539,25 @@ class CacheStore:
         """The row (exact key first, then a prefix alias) that can serve `key`; LMDB reads only."""
         return self._require_open().lookup(key)
 
+    def lookup_remote(self, keys: Sequence[bytes]) -> list[Hit | None]:
+        """For each key, the remote tier's row that can serve it (none without a remote tier): one round
+        trip for them all. For a lookup that missed locally."""
+        self._require_open()
+        return [None] * len(keys) if self.remote is None else list(self.remote.probe(keys))
+
     @contextmanager
-    def restore(self, hit: Hit) -> Iterator[Checkpoint | None]:
+    def restore(self, hit: Hit, promote_to: str | None = None) -> Iterator[Checkpoint | None]:
         """Read and verify a hit's checkpoint, holding a reference (no eviction) while the caller uses it.
 
         Yields None when the row is gone or fails verification (then the row, its aliases and its file
         are dropped and `corrupt_files` counts it): the caller falls back to a prefill. The state and
-        logits are views into the read buffer, valid inside the `with` block only.
+        logits are views into the read buffer, valid inside the `with` block only. A remote hit is
+        fetched into memory and, once verified, also saved to `promote_to`.
         """
         index = self._require_open()
+        if hit.tier == REDIS_TIER:
+            yield self._fetch_remote(hit, promote_to)
+            return
         key = hit.row_key
         if not index.acquire(key):
             yield None
@@ -539,6 +574,17 @@ class CacheStore:
             yield ckpt
         finally:
             index.release(key)
+
+    def _fetch_remote(self, hit: Hit, promote_to: str | None) -> Checkpoint | None:
+        if self.remote is None:
+            return None
+        t0 = time.perf_counter_ns()
+        ckpt = self.remote.fetch(hit)  # type: ignore[arg-type]  # a remote tier's hits are RemoteHits
+        if ckpt is not None:
+            self.counters.add_ns("restore_ns", time.perf_counter_ns() - t0)
+            if promote_to is not None:
+                self.save(ckpt, promote_to)
+        return ckpt
 
     def _read_verified(self, row: Row) -> Checkpoint | None:
         """The row's checkpoint, checksum and key verified; on any failure the row is dropped."""
@@ -592,9 +638,9 @@ class CacheStore:
 
     # ---- operations ---------------------------------------------------------------------------
 
-    def gc(self) -> int:
-        """Evict every unreferenced row in every tier; returns how many."""
-        evicted, _ = self._require_open().evict(TIER_NAMES, math.inf)
+    def gc(self, tiers: Iterable[str] | None = None) -> int:
+        """Evict every unreferenced row in `tiers` (every local one when None); returns how many."""
+        evicted, _ = self._require_open().evict(TIER_NAMES if tiers is None else tuple(tiers), math.inf)
         self.counters.count("evictions", evicted)
         return evicted
 
@@ -655,9 +701,9 @@ class CacheStore:
                 "shared_bytes": (len(refs) * row.block_size) - own}
 
     def stats(self) -> dict:
-        """The contract's `cache stats` shape: counters, and per tier bytes (= stored_bytes, what the tier
-        holds), quota, rows (reserved included), logical_bytes (what the rows would take with no block
-        shared) and their ratio."""
+        """The contract's `cache stats` shape: counters; per tier bytes (= stored_bytes, what the tier holds),
+        quota, rows (reserved included), logical_bytes (what the rows would take with no block shared) and
+        their ratio; and the remote tier's status (None without one)."""
         index = self._require_open()
         logical = dict.fromkeys(self._tiers, 0)
         for row in index.rows():
@@ -668,7 +714,8 @@ class CacheStore:
             ratio = logical[name] / used if used else 1.0
             tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows, "stored_bytes": used,
                            "logical_bytes": logical[name], "dedup_ratio": ratio}
-        return {"counters": self.counters.snapshot(), "tiers": tiers}
+        remote = self.remote.stats() if self.remote is not None else None
+        return {"counters": self.counters.snapshot(), "tiers": tiers, REDIS_TIER: remote}
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> tuple[int, list[str]]:
         """Re-read and verify every available row; drop the bad ones. Returns (checked, bad keys as hex)."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
 from barreld.engine.memory import memory_kind
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ def _llama():
             llama_cpp.llama_backend_init()
             _initialised = True
     return llama_cpp
+
+
+def _context_hint(settings: ContextSettings) -> str:
+    """Why llama.cpp most likely refused the context: its own log, which says so, is silenced."""
+    plain = {KV_CACHE_TYPES[name] for name in PLAIN_KV_TYPES}
+    if settings.type_k in plain and settings.type_v in plain:
+        return ""
+    return (
+        ": a quantised K or V cache needs the model's attention head size to be a multiple of the type's"
+        " block size (32); try f16"
+    )
 
 
 class LlamaBackend:
@@ -67,7 +79,7 @@ class LlamaBackend:
         self._ctx = L.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             L.llama_model_free(self._model)
-            raise ModelLoadError(f"llama.cpp could not create a context for {path}")
+            raise ModelLoadError(f"llama.cpp could not create a context for {path}{_context_hint(settings)}")
         self._mem = L.llama_get_memory(self._ctx)
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch

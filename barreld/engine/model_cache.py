@@ -158,6 +158,8 @@ class ModelCache:
             ):
                 if candidate is not None and candidate.tokens > best.tokens:
                     best = candidate
+            if best.hit is None and self.store.remote is not None:
+                best = self._remote(len(tokens), rendered, offsets, parent_key, best)
         finally:
             self.store.counters.add_ns("lookup_ns", time.perf_counter_ns() - t0)
         return best
@@ -215,16 +217,18 @@ class ModelCache:
                 with contextlib.suppress(Exception):
                     pending.result(timeout=self.policy.session_resume_wait_ms / 1000.0)
                 hit = self.store.lookup(parent_key)
-        if hit is None:
+        if hit is None or not self._continues(hit, parent_key, rendered, offsets):
             return None
-        # A whole checkpoint renders to hit.text_bytes bytes; a prefix alias to the bytes of its first
-        # n tokens, which are the prompt's own first n tokens when both tokenise alike.
+        return self._stored(Route.RESUME, hit, n)
+
+    def _continues(self, hit: Hit, parent_key: bytes, rendered: bytes, offsets: list[int]) -> bool:
+        """Whether the parent's bytes are a strict prefix of the prompt: a whole checkpoint renders to
+        hit.text_bytes bytes; a prefix alias to the bytes of its first n tokens, which are the prompt's own
+        first n tokens when both tokenise alike."""
         lengths = {hit.text_bytes} if hit.n_tokens == hit.total_tokens else set()
         if hit.n_tokens < len(offsets):
             lengths.add(offsets[hit.n_tokens])
-        if not any(size < len(rendered) and self.key(rendered[:size]) == parent_key for size in lengths):
-            return None
-        return self._stored(Route.RESUME, hit, n)
+        return any(size < len(rendered) and self.key(rendered[:size]) == parent_key for size in lengths)
 
     def _longest_prefix(self, n: int, rendered: bytes, offsets: list[int], floor: int) -> Found | None:
         """Walks the prompt's stride boundaries, longest first, while a boundary could still beat the best
@@ -240,6 +244,28 @@ class ModelCache:
                 best = candidate
         return best
 
+    def _remote(self, n: int, rendered: bytes, offsets: list[int], parent_key: bytes | None, best: Found) -> Found:
+        """After a local miss, the keys the local lookups tried (exact, parent, prefix boundaries above what
+        is covered) go to the remote tier in one round trip; the usable hit that covers the most wins."""
+        probes = [(Route.EXACT, self.key(rendered))]
+        if parent_key:
+            probes.append((Route.RESUME, parent_key))
+        probes += [
+            (Route.LONGEST_PREFIX, self.key(rendered[: offsets[b]]))
+            for b in self.policy.prefix_boundaries(n)
+            if b > best.tokens
+        ]
+        hits = self.store.lookup_remote([key for _, key in probes])
+        for (route, key), hit in zip(probes, hits, strict=True):
+            if hit is None or hit.n_tokens <= best.tokens:
+                continue
+            if route is Route.RESUME and not self._continues(hit, key, rendered, offsets):
+                continue
+            candidate = self._stored(route, hit, n)
+            if candidate is not None and candidate.tokens > best.tokens:
+                best = candidate
+        return best
+
     def usable(self, ckpt: Checkpoint, hit: Hit, tokens: list[int]) -> int:
         """Tokens of a read checkpoint the prompt can reuse: its tokens must be the prompt's own."""
         matched = common_prefix_len(ckpt.tokens[: hit.n_tokens], tokens)
@@ -252,7 +278,7 @@ class ModelCache:
 
     @contextlib.contextmanager
     def restore(self, hit: Hit) -> Iterator[Checkpoint | None]:
-        with self.store.restore(hit) as ckpt:
+        with self.store.restore(hit, promote_to=self.tier) as ckpt:
             if ckpt is not None and (ckpt.fingerprint != self.fingerprint or ckpt.ctx_params != self.ctx_params):
                 log.error("checkpoint %s belongs to another model or context layout; not restored", hit.row_key.hex())
                 ckpt = None
@@ -336,7 +362,10 @@ class ModelCache:
         if deadline is None:
             deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
         outcome = self.store.save(
-            ckpt, self.tier, self._prefixes(seq, rendered, payload.frontier), sync=sync,
+            ckpt,
+            self.tier,
+            self._prefixes(seq, rendered, payload.frontier),
+            sync=sync,
             timeout=max(0.0, deadline - time.monotonic()) if sync else None,
         )
         seq.stored_key = key

@@ -106,8 +106,9 @@ class LoadedModel:
 def model_memory(backend: Backend, chunk: int) -> Memory:
     """The loaded model's memory rules; `chunk` is the prefill chunk size, at most n_batch."""
     swa = backend.memory is MemoryKind.SWA
-    return Memory(backend.memory, backend.swa_window if swa else 0, swa and backend.swa_full,
-                  min(chunk, backend.n_batch))
+    return Memory(
+        backend.memory, backend.swa_window if swa else 0, swa and backend.swa_full, min(chunk, backend.n_batch)
+    )
 
 
 def context_params(settings: ContextSettings, backend: Backend, memory: Memory) -> CtxParams:

@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from barreld.engine.chat import Message
 from barreld.engine.sampling import Sampler
@@ -77,13 +78,20 @@ class Failed:
 Event = Started | Token | Done | Failed
 
 
+class EventSink(Protocol):
+    """Where the worker puts a request's events: by default a queue a server thread blocks on; the HTTP API
+    hands them straight to its event loop instead, which saves a thread hop per event."""
+
+    def put(self, item: Event) -> None: ...
+
+
 @dataclass(eq=False)
 class Request:
     """Created by the server thread; from submission on, only the worker thread mutates it."""
 
     id: int
     params: CompletionParams
-    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    events: EventSink = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 

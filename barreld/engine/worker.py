@@ -28,6 +28,7 @@ from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
     CompletionParams,
     Done,
+    EventSink,
     Failed,
     Request,
     Started,
@@ -69,7 +70,7 @@ class ModelWorker:
 
     # ---- called from server threads -------------------------------------------------------
 
-    def submit(self, params: CompletionParams) -> Request:
+    def submit(self, params: CompletionParams, events: EventSink | None = None) -> Request:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
         params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False)
@@ -81,7 +82,7 @@ class ModelWorker:
                     f"model {self.name} has {len(self._waiting)} requests queued (the limit); retry later"
                 )
             self._next_id += 1
-            req = Request(self._next_id, params)
+            req = Request(self._next_id, params) if events is None else Request(self._next_id, params, events)
             self._waiting.append(req)
             self._cond.notify()
         return req
@@ -217,8 +218,13 @@ class ModelWorker:
             kept = self._live(seq, found) if found.route is Route.LIVE else self._restore(seq, found, req.target)
             held = self.backend.seq_pos_range(seq.id)
             if kept and not self.cache.memory.holds(kept, *held):
-                log.warning("%s: a %s start of %d tokens left positions %d..%d in the sequence; prefilling instead",
-                            self.name, found.route, kept, *held)
+                log.warning(
+                    "%s: a %s start of %d tokens left positions %d..%d in the sequence; prefilling instead",
+                    self.name,
+                    found.route,
+                    kept,
+                    *held,
+                )
                 self.cache.count("reuse_refused")
                 self.backend.seq_rm(seq.id, 0, -1)
                 seq.clear()

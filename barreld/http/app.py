@@ -9,6 +9,7 @@ the stream. A client that hangs up, streaming or not, cancels its request: the w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -28,7 +29,7 @@ from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import Done, Started, Token
 from barreld.errors import InvalidArgument, Unavailable
 from barreld.http.openai import DONE_LINE, Reply, parse_request
-from barreld.server.frontend import Call, client_error, start_call
+from barreld.server.frontend import Call, Deliver, Outcome, client_error, start_call
 from barreld.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class HttpApi:
     async def _complete(self, request: Request, chat: bool) -> Response:
         self._check_open()
         req = parse_request(await read_json(request), chat)
-        events = Events(lambda: start_call(self.registry, req.model, req.params, self.metrics, "http"))
+        events = Events(lambda deliver: start_call(self.registry, req.model, req.params, self.metrics, "http", deliver))
         try:
             first = await until_disconnected(request, events.cancel, events.next())
             reply = Reply(req, events.model)
@@ -215,20 +216,19 @@ class HttpApi:
 
 
 class Events:
-    """One call, started and read to the end on a thread of its own, its events handed to the event loop.
+    """One call's events, handed by the model's worker straight to the event loop.
 
-    The thread submits the request itself (finding the model may wait for a load) and so saves the event
-    loop a round trip to another thread before the first token. Reading to the end even after the client
-    has gone lets the call count itself (a cancelled request's tokens too); the event loop never blocks,
-    nor leaves a waiting thread behind when a wait is cancelled.
+    A thread of its own submits the request (finding the model may wait for a load); from then on the
+    worker puts each event on the loop, one hop from the token to the socket. The worker delivers every
+    event even after the client has gone, so the call counts itself (a cancelled request's tokens too).
     """
 
-    def __init__(self, start: Callable[[], Call]) -> None:
+    def __init__(self, start: Callable[[Deliver], Call]) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Started | Token | Done | Exception] = asyncio.Queue()
+        self._queue: asyncio.Queue[Outcome] = asyncio.Queue()
         self._call: Call | None = None
         self._cancelled = False
-        threading.Thread(target=self._pump, args=(start,), name="http-call", daemon=True).start()
+        threading.Thread(target=self._start, args=(start,), name="http-call", daemon=True).start()
 
     @property
     def model(self) -> str:
@@ -242,29 +242,21 @@ class Events:
         if self._call is not None:
             self._call.cancel()
 
-    def _pump(self, start: Callable[[], Call]) -> None:
+    def _start(self, start: Callable[[Deliver], Call]) -> None:
         try:
-            self._call = start()
+            self._call = start(self._hand)
         except Exception as exc:  # noqa: BLE001 - raised again on the event loop
-            self._hand(exc)
+            self._hand(None, exc)
             return
         if self._cancelled:
             self._call.cancel()
-        while True:
-            try:
-                item: Started | Token | Done | Exception = self._call.next_event()
-            except Exception as exc:  # noqa: BLE001 - raised again on the event loop
-                item = exc
-            if not self._hand(item) or isinstance(item, Done | Exception):
-                return
 
-    def _hand(self, item: Started | Token | Done | Exception) -> bool:
-        """Queues `item` for the event loop; False once the loop has closed (barreld is stopping)."""
-        try:
+    def _hand(self, call: Call | None, item: Outcome) -> None:
+        """Queues `item` for the event loop, unless the loop has closed (barreld is stopping)."""
+        if call is not None:
+            self._call = call  # before the item: whoever reads it may ask for the model
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
 
     async def next(self) -> Started | Token | Done:
         item = await self._queue.get()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from barreld.names import MEMORY_TIERS
 from barreld.pressure.sources import PressureSource, SourceUnavailable
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class PressureScheduler:
         interval_ms: int = 5000,
         high_watermark: float = 0.85,
         low_watermark: float = 0.75,
-        evict_tiers: Sequence[str] = ("ram", "ram_file"),
+        evict_tiers: Sequence[str] = MEMORY_TIERS,
         unavailable_retry_ms: int = UNAVAILABLE_RETRY_MS,
         clock: Callable[[], float] = time.time,
     ) -> None:

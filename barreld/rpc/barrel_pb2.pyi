@@ -309,7 +309,7 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsReply(_message.Message):
-    __slots__ = ("counters", "tiers")
+    __slots__ = ("counters", "tiers", "redis_json")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -326,13 +326,17 @@ class CacheStatsReply(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierUsage, _Mapping]] = ...) -> None: ...
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_JSON_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.ScalarMap[str, int]
     tiers: _containers.MessageMap[str, TierUsage]
-    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., tiers: _Optional[_Mapping[str, TierUsage]] = ...) -> None: ...
+    redis_json: str
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ..., tiers: _Optional[_Mapping[str, TierUsage]] = ..., redis_json: _Optional[str] = ...) -> None: ...
 
 class CacheGcRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheGcReply(_message.Message):
     __slots__ = ("evicted",)

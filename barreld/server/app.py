@@ -92,19 +92,32 @@ class Daemon:
     def _open_store(self):
         from barreld.cache import CacheStore
         from barreld.cache import TierConfig as StoreTier
-
-        tiers = {name: StoreTier(quota=t.quota, root=t.root) for name, t in self.config.tiers.items()}
         from barreld.cache.blocks import DEFAULT_BLOCK_TOKENS
 
+        tiers = {name: StoreTier(quota=t.quota, root=t.root) for name, t in self.config.tiers.items()}
         kwargs = {"writers": self.config.writers} if self.config.writers else {}
         block_tokens = self.config.block_tokens
         kwargs["block_tokens"] = DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens
         try:
-            store = CacheStore(self.data_dir, tiers, **kwargs)
+            store = CacheStore(self.data_dir, tiers, remote=self._open_remote(), **kwargs)
             store.open()
         except Exception as exc:
             raise StartupError(f"cannot open the cache in {self.data_dir}: {exc}") from exc
         return store
+
+    def _open_remote(self):
+        """The shared tier when configured. Redis need not answer now: until it does, lookups miss and
+        mirrors fail (counted), and the daemon serves from its own tiers."""
+        if self.config.redis is None:
+            return None
+        from barreld.cache.remote.redis import RedisStore
+        from barreld.cache.remote.tier import RemoteTier
+
+        remote = RemoteTier(RedisStore(self.config.redis))
+        reachable = remote.store.ping()
+        log.info("redis tier %s (prefix %r, %s): %s", self.config.redis.redacted_url, self.config.redis.prefix,
+                 "read-write" if remote.writes else "read-only", "reachable" if reachable else "not reachable yet")
+        return remote
 
     def _load_configured_models(self) -> None:
         for m in self.config.models:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from barreld.cache.errors import IndexWriteError
 from barreld.engine.chat import Message
 from barreld.engine.registry import LoadedModel, ModelRegistry
-from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Failed, Started, Token
+from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed, Started, Token
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
 from barreld.names import MODEL_NAME_MAX
 
@@ -109,30 +109,52 @@ def check_conversation(prompt: bytes, messages: tuple[Message, ...], chat: bool,
         raise InvalidArgument(f"the chat template is {len(template)} characters; at most {MAX_TEMPLATE}")
 
 
+Outcome = Started | Token | Done | Exception
+"""An event as a front end sees it: a failed request is its error."""
+
+Deliver = Callable[["Call", Outcome], None]
+"""Takes a call's events on the worker's thread, in order (the HTTP API passes them to its event loop)."""
+
+
 class Call:
     """One completion in flight. Iterating yields its Started and Token events and ends with Done; a
     failure raises the worker's error. `cancel()` (the client went away) makes the worker stop generating
-    and finish the request, so a thread blocked on the next event is released too."""
+    and finish the request, so a thread blocked on the next event is released too.
 
-    def __init__(self, model: LoadedModel, params: CompletionParams, metrics: Metrics | None, api: str) -> None:
+    With `deliver`, the worker hands each event to it as it comes instead (not to be iterated then)."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        params: CompletionParams,
+        metrics: Metrics | None,
+        api: str,
+        deliver: Deliver | None = None,
+    ) -> None:
         self.model = model
         self.metrics = metrics
         self.api = api
-        self.request = model.worker.submit(params)
         self.done: Done | None = None
+        self.request = model.worker.submit(params, None if deliver is None else _Handoff(self, deliver))
 
-    def next_event(self) -> Started | Token | Done:
-        """Blocks until the worker's next event; counts the request once it has ended."""
-        ev = self.request.events.get()
+    def outcome(self, ev: Event) -> Outcome:
+        """Counts the request once it has ended."""
         if isinstance(ev, Failed):
             if self.metrics is not None:
                 self.metrics.failed(self.api, self.model.name)
-            raise ev.error
+            return ev.error
         if isinstance(ev, Done):
             self.done = ev
             if self.metrics is not None:
                 self.metrics.finished(self.api, self.model.name, ev)
         return ev
+
+    def next_event(self) -> Started | Token | Done:
+        """Blocks until the worker's next event."""
+        item = self.outcome(self.request.events.get())
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def __iter__(self) -> Iterator[Started | Token | Done]:
         while self.done is None:
@@ -144,15 +166,27 @@ class Call:
             self.model.worker.wake()
 
 
+class _Handoff:
+    """The worker's event sink for a call with `deliver`."""
+
+    def __init__(self, call: Call, deliver: Deliver) -> None:
+        self._call = call
+        self._deliver = deliver
+
+    def put(self, item: Event) -> None:
+        self._deliver(self._call, self._call.outcome(item))
+
+
 def start_call(
     registry: ModelRegistry,
     model_name: str,
     make_params: Callable[[int], CompletionParams],
     metrics: Metrics | None,
     api: str,
+    deliver: Deliver | None = None,
 ) -> Call:
     """Finds the model (an empty name: the default, loaded if needed), builds the parameters against its
     n_ctx and submits them; a full queue raises ResourceExhausted here, before any event."""
     check_model_name(model_name)
     model = registry.get(model_name)
-    return Call(model, make_params(model.options.n_ctx), metrics, api)
+    return Call(model, make_params(model.options.n_ctx), metrics, api, deliver)

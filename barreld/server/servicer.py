@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -17,8 +17,8 @@ import barreld
 from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import CompletionParams, Done, Started, Token
-from barreld.errors import InvalidArgument, Unavailable
-from barreld.names import FINGERPRINT_MODES, TIER_NAMES
+from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.frontend import check_model_name, completion_params, show, start_call
@@ -26,17 +26,29 @@ from barreld.server.status import rpc
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
+    from barreld.cache.remote.tier import RemoteTier
     from barreld.server.metrics import Metrics
 
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
 MAX_POLICY_TEXT = 64
 MAX_DIGEST = 256
+T = TypeVar("T")
 
 
-def check_tier(tier: str) -> None:
-    if tier not in TIER_NAMES:
-        raise InvalidArgument(f"unknown tier {show(tier)}; use one of {', '.join(TIER_NAMES)}")
+def check_tier(tier: str, *, remote: bool = False) -> None:
+    """A local tier's name, or with `remote` also the shared tier's (operations that may act on it)."""
+    names = (*TIER_NAMES, REDIS_TIER) if remote else TIER_NAMES
+    if tier not in names:
+        raise InvalidArgument(f"unknown tier {show(tier)}; use one of {', '.join(names)}")
+
+
+def split_tiers(tiers: list[str]) -> tuple[list[str] | None, bool]:
+    """(the local tiers named, None for every local one when none is named at all; whether redis is)."""
+    for tier in tiers:
+        check_tier(tier, remote=True)
+    local = [t for t in tiers if t != REDIS_TIER]
+    return (local if tiers else None), REDIS_TIER in tiers
 
 
 def check_load(request: pb.LoadModelRequest) -> None:
@@ -220,11 +232,37 @@ class Servicer(pb_grpc.BarrelServicer):
             raise Unavailable("the cache is not open")
         return self.store
 
+    def _remote(self) -> RemoteTier:
+        remote = self._cache().remote
+        if remote is None:
+            raise FailedPrecondition("no redis tier is configured: set [tiers.redis] url or $BARREL_REDIS_URL")
+        return remote
+
+    @staticmethod
+    def _reached(result: T | None) -> T:
+        """A remote operation's result; None means Redis could not be read or told (the daemon itself is
+        there, so not UNAVAILABLE, which clients read as no daemon)."""
+        if result is None:
+            raise FailedPrecondition("the redis tier could not be reached; see `barrelctl cache stats` and the log")
+        return result
+
+    def _fingerprints(self, model: str) -> dict[bytes, str] | None:
+        """The loaded model's fingerprint (for remote rows, which other hosts may name otherwise)."""
+        if not model:
+            return None
+        found = {m.fingerprint: m.name for m in self.registry.models() if m.name == model}
+        if not found:
+            raise NotFound(f"model {show(model)} is not loaded, so its fingerprint is unknown; load it first")
+        return found
+
     @rpc
     def CacheDump(self, request: pb.CacheDumpRequest, context: grpc.ServicerContext) -> pb.CacheDumpReply:
         if request.tier:
-            check_tier(request.tier)
-        rows = self._cache().dump(model=request.model or None, tier=request.tier or None)
+            check_tier(request.tier, remote=True)
+        if request.tier == REDIS_TIER:
+            rows = self._reached(self._remote().dump(self._fingerprints(request.model)))
+        else:
+            rows = self._cache().dump(model=request.model or None, tier=request.tier or None)
         return pb.CacheDumpReply(rows=[pb.CacheRow(**{**r, "location": r["location"] or ""}) for r in rows])
 
     @rpc
@@ -236,11 +274,16 @@ class Servicer(pb_grpc.BarrelServicer):
                 name: pb.TierUsage(**t)
                 for name, t in stats["tiers"].items()
             },
+            redis_json=json.dumps(stats[REDIS_TIER]) if stats[REDIS_TIER] is not None else "",
         )
 
     @rpc
     def CacheGc(self, request: pb.CacheGcRequest, context: grpc.ServicerContext) -> pb.CacheGcReply:
-        return pb.CacheGcReply(evicted=self._cache().gc())
+        local, remote = split_tiers(list(request.tiers))
+        evicted = self._cache().gc(local) if local != [] else 0
+        if remote:
+            evicted += self._reached(self._remote().gc())
+        return pb.CacheGcReply(evicted=evicted)
 
     @rpc
     def CacheEvictBytes(
@@ -248,9 +291,11 @@ class Servicer(pb_grpc.BarrelServicer):
     ) -> pb.CacheEvictBytesReply:
         if request.bytes < 0:
             raise InvalidArgument(f"bad size {request.bytes}: must be >= 0")
-        for tier in request.tiers:
-            check_tier(tier)
-        evicted, freed = self._cache().evict_bytes(request.bytes, list(request.tiers) or None)
+        local, remote = split_tiers(list(request.tiers))
+        evicted, freed = self._cache().evict_bytes(request.bytes, local) if local != [] else (0, 0)
+        if remote and freed < request.bytes:  # the local tiers named go first: they are this host's own
+            more, more_freed = self._reached(self._remote().evict(request.bytes - freed))
+            evicted, freed = evicted + more, freed + more_freed
         return pb.CacheEvictBytesReply(evicted=evicted, bytes_freed=freed)
 
     @rpc

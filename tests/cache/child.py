@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig, stateformat
-from barreld.names import TIER_NAMES
+from barreld.names import MEMORY_TIERS, TIER_NAMES
 from tests.cache import synthstate
 
 SCHEME = KeyScheme(b"\x42" * 32, "Q8_0", CtxParams(1, 1, 1, True, 10000.0, 1.0, True, False).encode())
@@ -78,7 +78,7 @@ def loop(data: str, rf_root: str, seed: int) -> None:
     rng = random.Random(seed)
     disk_saves = 0
     for i in range(1, 1 << 30):
-        tiers = TIER_NAMES if disk_saves < DISK_SAVES_PER_LIFE else ("ram", "ram_file")
+        tiers = TIER_NAMES if disk_saves < DISK_SAVES_PER_LIFE else MEMORY_TIERS
         tier = rng.choice(tiers)
         rendered = f"{seed}:{i}".encode()
         if rng.random() < 0.5:

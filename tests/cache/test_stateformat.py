@@ -513,15 +513,13 @@ def test_gemma_state_at_k_from_blocks_of_a_longer_state_and_the_window_captured_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Recurrent and hybrid: tiny models built by tests/models.py, when this tree has it
+# Recurrent and hybrid: tiny models built by barrelctl.sandbox_models
 
 
 def tiny_model(name: str) -> Path:
-    try:
-        from tests import models
-    except ImportError:
-        pytest.skip("tests/models.py (tiny recurrent and hybrid GGUFs) is not in this tree")
-    return getattr(models, name)()
+    from barrelctl import sandbox_models
+
+    return getattr(sandbox_models, name)()
 
 
 @pytest.mark.model

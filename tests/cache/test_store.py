@@ -198,7 +198,7 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
     assert rows[0]["last_used"] >= rows[1]["last_used"]  # most recent first
     assert store.dump(tier="ram") == [by_tier["ram"]] and store.dump(model="nope") == []
     stats = store.stats()
-    assert set(stats) == {"counters", "tiers"}
+    assert set(stats) == {"counters", "tiers", "redis"} and stats["redis"] is None  # no remote tier here
     size = by_tier["disk"]["size"]
     assert by_tier["disk"]["own_bytes"] == size and by_tier["disk"]["shared_bytes"] == by_tier["disk"]["blocks"] == 0
     assert stats["tiers"]["disk"] == {"bytes": size, "quota": 1 << 20, "rows": 1, "stored_bytes": size,

@@ -102,8 +102,16 @@ def test_malformed_states_are_refused(be: FakeBackend) -> None:
     bad_token = bytearray(good)
     bad_token[-4:] = (10**6).to_bytes(4, "little")
     one_stream = good[:8] + (1).to_bytes(4, "little") + good[12:]  # the context has two streams
-    for bad in (good[:10], good[:-1], good + b"\0", swapped, bytes(beyond), bytes(bad_token), one_stream,
-                b"\0" * len(good)):
+    for bad in (
+        good[:10],
+        good[:-1],
+        good + b"\0",
+        swapped,
+        bytes(beyond),
+        bytes(bad_token),
+        one_stream,
+        b"\0" * len(good),
+    ):
         with pytest.raises(BackendError):
             be.state_set(1, memoryview(bad))
         assert be.tokens(1) == []

@@ -21,8 +21,9 @@ N_BATCH = 16  # without swa_full the SWA ring holds WINDOW + N_BATCH = 32 cells
 
 
 def backend(tmp_path: Path, kind: MemoryKind, swa_full: bool = False) -> FakeBackend:
-    model = write_gguf(tmp_path / f"{kind}.gguf", memory=kind, window=WINDOW if kind is MemoryKind.SWA else 0,
-                       split=True)
+    model = write_gguf(
+        tmp_path / f"{kind}.gguf", memory=kind, window=WINDOW if kind is MemoryKind.SWA else 0, split=True
+    )
     return FakeBackend(model, ContextSettings(n_ctx=128, n_batch=N_BATCH, swa_full=swa_full))
 
 

@@ -57,8 +57,9 @@ def test_a_reuse_point_is_a_chunk_boundary_or_the_whole_prompt_with_its_logits()
         (HYBRID, 256, 256, 256, None, 0),
     ],
 )
-def test_restore_points(memory: Memory, length: int, matched: int, n: int, logits_at: int | None,
-                        expected: int) -> None:
+def test_restore_points(
+    memory: Memory, length: int, matched: int, n: int, logits_at: int | None, expected: int
+) -> None:
     assert memory.restore_point(length, matched, n, logits_at) == expected
 
 
@@ -85,8 +86,9 @@ def test_live_points_cut_full_and_window_memories_and_take_recurrent_ones_whole(
         (FULL, 0, (-1, -1), True),
     ],
 )
-def test_holds_reads_llama_cpps_account_of_the_positions(memory: Memory, k: int, pos: tuple[int, int],
-                                                           holds: bool) -> None:
+def test_holds_reads_llama_cpps_account_of_the_positions(
+    memory: Memory, k: int, pos: tuple[int, int], holds: bool
+) -> None:
     assert memory.holds(k, *pos) is holds
 
 
@@ -100,10 +102,16 @@ def test_snapshots_and_indexing_for_memories_that_cannot_be_cut() -> None:
     assert not RING.reusable(640, True) and FULL.reusable(10, True) and not FULL.reusable(10, False)
 
 
-@given(st.sampled_from([FULL, SWA, RING, RECURRENT, HYBRID]), st.integers(0, 4096), st.integers(0, 4096),
-       st.integers(1, 4096), st.booleans())
-def test_every_restore_point_is_one_the_cold_prefill_also_reaches(memory: Memory, length: int, matched: int,
-                                                                 n: int, logits: bool) -> None:
+@given(
+    st.sampled_from([FULL, SWA, RING, RECURRENT, HYBRID]),
+    st.integers(0, 4096),
+    st.integers(0, 4096),
+    st.integers(1, 4096),
+    st.booleans(),
+)
+def test_every_restore_point_is_one_the_cold_prefill_also_reaches(
+    memory: Memory, length: int, matched: int, n: int, logits: bool
+) -> None:
     k = memory.restore_point(length, matched, n, length if logits else None)
     assert 0 <= k <= min(length, matched, n)
     assert k % memory.chunk == 0 or (k == n == length and logits)

@@ -122,8 +122,9 @@ def test_a_wrapped_ring_is_never_cut(engine: Engine, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["full", "recurrent"], indirect=True)
-def test_a_restore_llama_cpp_does_not_account_for_is_prefilled_cold(engine: Engine, kind: str, monkeypatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_restore_llama_cpp_does_not_account_for_is_prefilled_cold(
+    engine: Engine, kind: str, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
     a, first = finished(engine, 40, 8)
     later = engine.restarted()
     monkeypatch.setattr(later.backend(), "seq_pos_range", lambda seq: (1, 39))

@@ -55,6 +55,14 @@ _SCAN_COUNT = 1000
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
+class Ref(NamedTuple):
+    """One object's address: its kind, its key, and the hash tag it shares (None: its own key)."""
+
+    kind: str
+    key: bytes
+    tag: bytes | None = None
+
+
 class RemoteObject(NamedTuple):
     """One of Barrel's values in Redis; `size` counts the bytes Redis holds for it (header included)."""
 
@@ -119,7 +127,7 @@ class _Backoff:
         return was_down
 
 
-class _OncePerPeriod:
+class OncePerPeriod:
     """A warning per kind at most once a period, saying how many of that kind it held back since."""
 
     def __init__(self, clock: Callable[[], float], period_s: float = LOG_PERIOD_S) -> None:
@@ -159,7 +167,7 @@ class RedisStore:
         self._secrets = _secrets(settings.url)
         self._clock = clock
         self._backoff = _Backoff(*backoff_s, clock)
-        self._warn = _OncePerPeriod(clock)
+        self._warn = OncePerPeriod(clock)
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = dict.fromkeys(
             ("round_trips", "skipped_down", "hits", "bytes_read", "bytes_written", "writes", "writes_failed",
@@ -185,7 +193,11 @@ class RedisStore:
 
     def exists_many(self, kind: str, keys: Sequence[bytes], *, tag: bytes | None = None) -> list[bool]:
         """Which keys have a value, in one round trip (all False when Redis cannot be asked)."""
-        names = [self._name(kind, key, tag) for key in keys]
+        return self.exists_refs([Ref(kind, key, tag) for key in keys])
+
+    def exists_refs(self, refs: Sequence[Ref]) -> list[bool]:
+        """Which objects, of any kinds, have a value: one round trip (all False when Redis cannot be asked)."""
+        names = [self._name(*ref) for ref in refs]
         if not names:
             return []
         replies = self._round_trip("probe", lambda p: [p.exists(n) for n in names], probe=True)
@@ -194,32 +206,34 @@ class RedisStore:
         return [r == 1 for r in replies]
 
     def get_many(self, kind: str, keys: Sequence[bytes], *, tag: bytes | None = None) -> list[memoryview | None]:
-        """Each key's payload, verified, or None for a miss; one round trip.
+        """Each key's payload, verified, or None for a miss; one round trip."""
+        return [payload for payload, _ in self.fetch_refs([Ref(kind, key, tag) for key in keys])]
+
+    def fetch_refs(self, refs: Sequence[Ref], *, probe: bool = False) -> list[tuple[memoryview | None, str | None]]:
+        """Each object's payload, verified, and None; or None and the kind of miss (one of MISS_KINDS). One
+        round trip; `probe` times it for stats (small values only).
 
         Pipelined GETs rather than MGET: a cluster refuses an MGET whose keys hash to different slots. The
         payloads are views into the received values, so a 35 MB object is not copied again.
         """
-        names = [self._name(kind, key, tag) for key in keys]
+        names = [self._name(*ref) for ref in refs]
         if not names:
             return []
-        replies = self._round_trip("fetch", lambda p: [p.get(n) for n in names])
+        replies = self._round_trip("fetch", lambda p: [p.get(n) for n in names], probe=probe)
         if replies is None:
             self._count_misses("unreachable", len(names))
-            return [None] * len(names)
-        payloads, corrupt = [], []
-        for name, value in zip(names, replies, strict=True):
-            payload, miss = self._open(name, value)
-            payloads.append(payload)
+            return [(None, "unreachable")] * len(names)
+        opened = [self._open(name, value) for name, value in zip(names, replies, strict=True)]
+        for _, miss in opened:
             if miss:
                 self._count_misses(miss, 1)
-            if miss == "corrupt":
-                corrupt.append(name)
-        self._count(hits=sum(p is not None for p in payloads), bytes_read=sum(
+        corrupt = [name for name, (_, miss) in zip(names, opened, strict=True) if miss == "corrupt"]
+        self._count(hits=sum(p is not None for p, _ in opened), bytes_read=sum(
             len(v) for v in replies if isinstance(v, bytes)))
         if corrupt and self.settings.write:  # else a writer that probes first would never replace it
             deleted = self._round_trip("delete", lambda p: [p.delete(n) for n in corrupt])
             self._count(corrupt_deleted=sum(r == 1 for r in deleted or []))
-        return payloads
+        return opened
 
     def _open(self, name: bytes, value: object) -> tuple[memoryview | None, str | None]:
         """The payload of a value and None, or None and why it is a miss."""
@@ -237,14 +251,14 @@ class RedisStore:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def put(self, kind: str, key: bytes, payload: Buffer, *, tag: bytes | None = None) -> bool:
+    def put(self, kind: str, key: bytes, payload: Buffer | list[Buffer], *, tag: bytes | None = None) -> bool:
         """Store one object; False when it was not stored (read-only, over quota, Redis failed)."""
         return self._write([(kind, key, payload)], tag)
 
     def publish_row(
         self,
         row_key: bytes,
-        parts: Sequence[tuple[str, bytes, Buffer]],
+        parts: Sequence[tuple[str, bytes, Buffer | list[Buffer]]],
         row_payload: Buffer,
         *,
         tag: bytes | None = None,
@@ -257,14 +271,35 @@ class RedisStore:
         tag = row_key if tag is None else tag
         return self._write(parts, tag) and self._write([(ROW_KIND, row_key, row_payload)], tag)
 
+    def put_many(self, items: Sequence[tuple[str, bytes, Buffer | list[Buffer]]]) -> bool:
+        """Store objects each under its own hash tag, in one round trip; True only when all were stored."""
+        return self._write(items, None)
+
     def delete(self, kind: str, key: bytes, *, tag: bytes | None = None) -> bool:
         """Remove one object; True when it is gone (or was never there), False when Redis could not be told."""
-        name = self._name(kind, key, tag)
-        if not self.settings.write:
-            return False
-        return self._round_trip("delete", lambda p: p.delete(name)) is not None
+        return self.delete_refs([Ref(kind, key, tag)]) is not None
 
-    def _write(self, items: Sequence[tuple[str, bytes, Buffer]], tag: bytes | None) -> bool:
+    def delete_refs(self, refs: Sequence[Ref]) -> int | None:
+        """Remove objects in one round trip: how many were there, or None when Redis could not be told
+        (or this store only reads)."""
+        names = [self._name(*ref) for ref in refs]
+        if not self.settings.write:
+            return None
+        if not names:
+            return 0
+        replies = self._round_trip("delete", lambda p: [p.delete(n) for n in names])
+        return None if replies is None else sum(r == 1 for r in replies)
+
+    def idle_seconds(self, refs: Sequence[Ref]) -> list[int | None]:
+        """How long since each object was last read or written, by Redis's own clock (OBJECT IDLETIME):
+        None for one that is gone, or when the server keeps frequencies instead (an LFU policy)."""
+        names = [self._name(*ref) for ref in refs]
+        if not names:
+            return []
+        replies = self._round_trip("scan", lambda p: [p.object("idletime", n) for n in names])
+        return [r if isinstance(r, int) else None for r in replies or [None] * len(names)]
+
+    def _write(self, items: Sequence[tuple[str, bytes, Buffer | list[Buffer]]], tag: bytes | None) -> bool:
         """SET every item in one round trip; True only when Redis acknowledged them all."""
         if not items:
             return True
@@ -390,6 +425,10 @@ class RedisStore:
 
     # ---- names and counters -------------------------------------------------------------------
 
+    def name(self, ref: Ref) -> bytes:
+        """The Redis key an object lives under (for operators: `cache dump` shows it)."""
+        return self._name(*ref)
+
     def _name(self, kind: str, key: bytes, tag: bytes | None) -> bytes:
         self._check_kind(kind)
         for value in (key, tag):
@@ -427,10 +466,14 @@ def _digest(name: bytes, payload: Buffer) -> bytes:
     return h.digest()
 
 
-def _seal(name: bytes, payload: Buffer) -> bytes:
-    """The stored value: header, then payload (one copy, the least a single SET can take)."""
-    view = memoryview(payload).cast("B")
-    return b"".join((HEADER.pack(MAGIC, view.nbytes, _digest(name, view)), view))
+def _seal(name: bytes, payload: Buffer | list[Buffer]) -> bytes:
+    """The stored value: header, then payload (one copy, the least a single SET can take). A list of
+    buffers is one payload in pieces (a checkpoint as its encoder lays it out), joined here and only here."""
+    views = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list) else [payload])]
+    h = xxhash.xxh3_128(name)
+    for view in views:
+        h.update(view)
+    return b"".join((HEADER.pack(MAGIC, sum(v.nbytes for v in views), h.digest()), *views))
 
 
 def _secrets(url: str) -> list[str]:

@@ -1,6 +1,6 @@
-"""A private, real redis-server for tests: a free loopback port and a Unix socket in its own temp dir, no
-persistence, stopped at the end. Tests that need Redis fail (never skip) when redis-server is missing: the
-README's test set-up and .ci/run install it.
+"""A private, real redis-server for tests and benchmarks: a free loopback port and a Unix socket in its own
+temp dir, no persistence, stopped at the end. A missing redis-server raises RedisMissing, which the tests
+turn into a failure (never a skip): the README's test set-up and .ci/run install it.
 
     with RedisServer.start() as server:
         store = RedisStore(RedisSettings(server.url()))
@@ -18,12 +18,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-INSTALL_HINT = "install it as root with `apt-get install -y redis-server` (.ci/run does)"
+INSTALL_HINT = "install it as root with `apt-get install -y redis-server`"
+
+
+class RedisMissing(RuntimeError):
+    """redis-server is not on PATH."""
 
 
 def free_port() -> int:
@@ -49,7 +52,7 @@ class RedisServer:
         127.0.0.1 (`cert`), made here by openssl."""
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.fail(f"redis-server is not installed: {INSTALL_HINT}")
+            raise RedisMissing(f"redis-server is not installed: {INSTALL_HINT}")
         # A short path of its own: a Unix socket path holds about 107 bytes.
         server = cls(Path(tempfile.mkdtemp(prefix="barrel-redis-", dir="/tmp")), password, tls)
         if tls:

@@ -1,4 +1,4 @@
-"""Model files for tests, made from installed packages only (no network at run time).
+"""Model files for tests and benches, made from installed packages only (no network at run time).
 
 Gemma 3 270M (sliding-window attention) is shipped in chunk packages and joined once. No package ships a
 recurrent or hybrid GGUF, so tiny ones are written here with the `gguf` package: seeded random weights
