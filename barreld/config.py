@@ -125,7 +125,8 @@ class Config:
     scheduler: SchedulerConfig
     models: tuple[ModelConfig, ...]
     http: HttpConfig = field(default_factory=HttpConfig)
-    redis: RedisSettings | None = None  # the shared tier: [tiers.redis] or $BARREL_REDIS_URL; None: no such tier
+    redis: RedisSettings | None = None
+    block_tokens: int | None = None  # [cache] block_tokens; None: not set (the default applies where it fits)
 
 
 def default_config_path() -> Path | None:
@@ -180,7 +181,7 @@ class _Reader:
         raise ConfigError(self.file, key, reason)
 
     def config(self, path: Path | None, data: dict[str, Any], data_dir: Path | None) -> Config:
-        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models", "http"))
+        self.known(data, "", ("daemon", "tiers", "policy", "scheduler", "models", "http", "cache"))
         daemon = self.table(data, "daemon", ("socket", "data_dir", "writers", "max_queue", "socket_group"))
         if data_dir is not None:
             data_dir, data_dir_key = data_dir.expanduser().absolute(), "data_dir"
@@ -205,9 +206,22 @@ class _Reader:
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
         http = self.http(self.table(data, "http", ("listen", "api_keys_file")))
+        block_tokens = self.block_tokens(self.table(data, "cache", ("block_tokens",)), policy)
         return Config(
-            path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, http, redis
+            path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, http, redis,
+            block_tokens,
         )
+
+    def block_tokens(self, table: dict[str, Any], policy: Policy) -> int | None:
+        """Tokens per stored block (0: whole-state checkpoints); cold saves land on multiples of
+        boundary_align_tokens, so it must divide it."""
+        if "block_tokens" not in table:
+            return None
+        size = self.integer(table["block_tokens"], "cache.block_tokens", 0)
+        if size and policy.boundary_align_tokens % size:
+            self.fail("cache.block_tokens", f"{size} does not divide policy.boundary_align_tokens "
+                      f"({policy.boundary_align_tokens}); use a divisor of it, or 0 for whole-state checkpoints")
+        return size
 
     def http(self, table: dict[str, Any]) -> HttpConfig:
         listen = keys_file = None

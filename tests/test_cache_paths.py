@@ -24,6 +24,7 @@ from barreld.engine.registry import bundled_model_path
 pytestmark = pytest.mark.model
 
 CHUNK = 128  # the prefill chunk size at n_batch 512: every reuse point is a multiple of it
+BLOCK = 128  # the default block_tokens
 POLICY = """
 [policy]
 min_tokens = 128
@@ -165,6 +166,11 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
     for r in rows:  # a finish row's state is its prompt's: cut back, or the copy at a chunk boundary
         assert r["frontier"] < r["tokens"] or r["save_reason"] == "cold"
         assert r["frontier"] % CHUNK == 0 or MODELS[model].memory == "full"
+    # Stored as chains of 128-token blocks (the default), which the rows of one conversation share; a
+    # recurrent state has no attention cells to cut and stays whole. (Without swa_full, Gemma keeps one row.)
+    assert all(r["blocks"] == (0 if MODELS[model].memory == "recurrent" else r["frontier"] // BLOCK) for r in rows)
+    if sum(1 for r in rows if r["blocks"]) > 1:  # one conversation's rows share its first blocks
+        assert any(r["shared_bytes"] for r in rows)
 
 
 def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> None:

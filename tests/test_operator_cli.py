@@ -318,7 +318,8 @@ def _drop_dac_override() -> list[str] | None:
 
 BAD_CONFIGS = [
     ("unknown-key", '[tiers.ram]\nquotas = "1G"\n', "tiers.ram.quotas", "unknown key"),
-    ("unknown-table", "[cache]\nsize = 1\n", "cache", "unknown key"),
+    ("unknown-table", "[caches]\nsize = 1\n", "caches", "unknown key"),
+    ("block-tokens-not-dividing-align", "[cache]\nblock_tokens = 384\n", "cache.block_tokens", "does not divide"),
     ("unknown-policy-key", "[policy]\nmin_tokenz = 5\n", "policy.min_tokenz", "unknown policy key"),
     ("negative-quota", "[tiers.disk]\nquota = -1\n", "tiers.disk.quota", "negative"),
     ("negative-quota-string", '[tiers.ram]\nquota = "-2G"\n', "tiers.ram.quota", "-2G"),

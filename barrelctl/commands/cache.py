@@ -49,14 +49,15 @@ def cache_dump(
         return
     render.table(
         f"{len(rows)} rows ({render.size(sum(r['size'] for r in rows))})",
-        ("key", "model", "memory", "tier", "size", "tokens", "reason", "refs", "hits", "last used"),
+        ("key", "model", "memory", "tier", "own", "shared", "tokens", "reason", "refs", "hits", "last used"),
         (
             (
                 r["key"][:12],
                 r["model"],
                 r["memory"],
                 r["tier"],
-                render.size(r["size"]),
+                render.size(r["own_bytes"]),
+                render.size(r["shared_bytes"]) if r["blocks"] else "-",
                 r["tokens"],
                 r["save_reason"] + ("" if r["status"] == "available" else f" ({r['status']})"),
                 r["refcount"],
@@ -65,7 +66,7 @@ def cache_dump(
             )
             for r in rows
         ),
-        right=("size", "tokens", "refs", "hits"),
+        right=("own", "shared", "tokens", "refs", "hits"),
     )
 
 
@@ -74,14 +75,14 @@ def cache_stats(json_out: JsonOpt = False) -> None:
     """Show the counters and per-tier usage against quota."""
     reply = state.client().cache_stats()
     counters = dict(sorted(reply.counters.items()))
-    tiers = {name: {"bytes": t.bytes, "quota": t.quota, "rows": t.rows} for name, t in reply.tiers.items()}
+    tiers = {name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields} for name, t in reply.tiers.items()}
     remote = json.loads(reply.redis_json) if reply.redis_json else None
     if state.want_json(json_out):
         render.print_json({"counters": counters, "tiers": tiers, REDIS_TIER: remote})
         return
     render.table(
         "tiers",
-        ("tier", "rows", "used", "quota", "use"),
+        ("tier", "rows", "used", "quota", "use", "logical", "dedup"),
         (
             (
                 n,
@@ -89,10 +90,12 @@ def cache_stats(json_out: JsonOpt = False) -> None:
                 render.size(t["bytes"]),
                 render.size(t["quota"]),
                 f"{100 * t['bytes'] / t['quota']:.1f}%" if t["quota"] else "-",
+                render.size(t["logical_bytes"]),
+                f"{t['dedup_ratio']:.2f}x",
             )
             for n, t in sorted(tiers.items())
         ),
-        right=("rows", "used", "quota", "use"),
+        right=("rows", "used", "quota", "use", "logical", "dedup"),
     )
     render.table(
         "counters",

@@ -13,7 +13,8 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
     48  8  u64 logits length L (a multiple of 4: float32)
     56  8  zero (reserved)
     64  M  metadata: UTF-8 JSON {key, model, fingerprint, quant, ctx_params, save_reason, created, prefixes,
-                                    memory, frontier, logits_at (when the logits do not follow every token)}
+                                    memory, frontier, logits_at (when the logits do not follow every token),
+                                    chain (format 2 only, see `Chain`)}
         ..  zero padding to 8
         4N tokens, int32
         R  rendered prompt bytes
@@ -24,6 +25,11 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
     end-16  16  xxh3_128 of every byte before it
 
 The state starts 64-byte aligned within the file so the engine can hand it to ctypes as is.
+
+Format 1 holds the whole state. Format 2 is a checkpoint stored as blocks: its state section holds only the
+tail (attention cells after the last whole block) and the sections that cannot be cut, and `chain` names the
+blocks, stored apart, that complete it. A reader of format 1 refuses format 2, so no older build ever takes
+a row's remainder for a whole state.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from .errors import CorruptCheckpoint
 from .key import KeyScheme
 
 FORMAT_VERSION = 1
+CHAIN_FORMAT = 2
 MAGIC = b"BRLKV\r\n\x1a"
 
 _HEADER = struct.Struct("<8sIIQIIQQQQ")
@@ -59,6 +66,34 @@ if sys.byteorder != "little" or array("i").itemsize != 4:
     raise ImportError("barreld.cache needs a little-endian host with a 32-bit C int")
 
 
+@dataclass(frozen=True)
+class Chain:
+    """Where a format 2 checkpoint's KV is: `keys` of its whole blocks of `block_tokens` cells (`block_size`
+    bytes each, stored apart, shared by every checkpoint with the same prefix), the state's shape and sequence
+    to assemble them with, and how its own state section splits into the tail and the carried sections."""
+
+    block_tokens: int
+    block_size: int
+    keys: tuple[bytes, ...]
+    shape: dict
+    seq_id: int
+    tail: int
+    opaque: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"block_tokens": self.block_tokens, "block_size": self.block_size,
+                "keys": [k.hex() for k in self.keys], "shape": self.shape, "seq_id": self.seq_id,
+                "tail": self.tail, "opaque": list(self.opaque)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Chain:
+        keys = tuple(bytes.fromhex(k) for k in d["keys"])
+        if any(len(k) != 32 for k in keys) or int(d["block_tokens"]) < 1 or int(d["block_size"]) < 1:
+            raise ValueError("a chain of malformed block keys or sizes")
+        return cls(int(d["block_tokens"]), int(d["block_size"]), keys, dict(d["shape"]), int(d["seq_id"]),
+                   int(d["tail"]), tuple(int(n) for n in d["opaque"]))
+
+
 @dataclass
 class Checkpoint:
     """One sequence's KV state and the metadata that proves which prompt it belongs to.
@@ -70,7 +105,9 @@ class Checkpoint:
     checkpoint keeps its prompt's, so resending that prompt samples without evaluating anything.
     `frontier` says how many leading tokens the state holds reusably (None: all of them): the key covers the
     whole text (a finish checkpoint's generated reply too), the state only what was prefilled. `memory` is
-    the model's memory kind, which decides whether the state can serve a shorter prefix.
+    the model's memory kind, which decides whether the state can serve a shorter prefix. `chain`, on a
+    checkpoint stored as blocks, names them (then `state` is only its own part); `layout` is the model's state
+    shape, handed to the store so that it can cut the state into blocks (never written).
     """
 
     key: bytes
@@ -88,6 +125,8 @@ class Checkpoint:
     logits_at: int | None = None
     frontier: int | None = None
     memory: str = MemoryKind.FULL.value
+    chain: Chain | None = None
+    layout: object = None
 
     @property
     def logits_tokens(self) -> int:
@@ -139,6 +178,13 @@ class Checkpoint:
             raise CorruptCheckpoint(f"metadata does not form a key scheme: {e}") from e
         if expected != self.key:
             raise CorruptCheckpoint("stored key does not match the key recomputed from the contents")
+        chain = self.chain
+        if chain is not None:
+            whole = len(chain.keys) * chain.block_tokens
+            if whole > self.frontier_tokens or self.key_scheme().block_keys(
+                self.tokens, chain.block_tokens, len(chain.keys)
+            ) != list(chain.keys):
+                raise CorruptCheckpoint("the block keys are not the chain of the checkpoint's tokens")
 
 
 def _pad(n: int, align: int) -> int:
@@ -190,6 +236,7 @@ def _plan(ckpt: Checkpoint) -> _Plan:
             "prefixes": [[bytes(k).hex(), int(n)] for k, n in ckpt.prefixes],
             "memory": ckpt.memory,
             "frontier": ckpt.frontier_tokens,
+            **({"chain": ckpt.chain.to_json()} if ckpt.chain is not None else {}),
         },
         separators=(",", ":"),
     ).encode()
@@ -198,7 +245,7 @@ def _plan(ckpt: Checkpoint) -> _Plan:
     flags = _FLAG_LOGITS if ckpt.logits is not None else 0
     header = _HEADER.pack(
         MAGIC,
-        FORMAT_VERSION,
+        FORMAT_VERSION if ckpt.chain is None else CHAIN_FORMAT,
         flags,
         length,
         len(meta),
@@ -245,6 +292,14 @@ def encode_parts(ckpt: Checkpoint) -> list[Buffer]:
     return parts
 
 
+def _chain_of(meta: dict, version: int, state_len: int) -> Chain | None:
+    """A format 2 file's chain, which its state section (tail and carried sections) must fit exactly."""
+    chain = Chain.from_json(meta["chain"]) if version == CHAIN_FORMAT else None
+    if ("chain" in meta) != (chain is not None) or (chain and chain.tail + sum(chain.opaque) != state_len):
+        raise ValueError(f"a format {version} file with a chain that does not fit it")
+    return chain
+
+
 def decode(buf: Buffer) -> Checkpoint:
     """Verify a whole checkpoint file and decode it; state and logits are zero-copy views into `buf`.
 
@@ -259,7 +314,7 @@ def decode(buf: Buffer) -> Checkpoint:
     magic, version, flags, length, meta_len, n_tokens, r_len, s_len, l_len, zero = _HEADER.unpack_from(mv)
     if magic != MAGIC:
         raise CorruptCheckpoint("bad magic")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, CHAIN_FORMAT):
         raise CorruptCheckpoint(f"unsupported format version {version}")
     if length != len(mv) or zero != 0 or flags & ~_FLAG_LOGITS or l_len % 4:
         raise CorruptCheckpoint("header fields inconsistent with the file")
@@ -273,6 +328,7 @@ def decode(buf: Buffer) -> Checkpoint:
         frontier, memory = int(meta.get("frontier", n_tokens)), MemoryKind(meta.get("memory", MemoryKind.FULL))
         if not 0 <= frontier <= n_tokens:
             raise ValueError(f"frontier {frontier} outside the {n_tokens} tokens")
+        chain = _chain_of(meta, version, s_len)
         return Checkpoint(
             key=bytes.fromhex(meta["key"]),
             model=meta["model"],
@@ -289,6 +345,7 @@ def decode(buf: Buffer) -> Checkpoint:
             logits_at=int(meta["logits_at"]) if "logits_at" in meta else None,
             frontier=frontier,
             memory=memory.value,
+            chain=chain,
         )
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"bad metadata: {e}") from e

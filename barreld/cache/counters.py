@@ -20,6 +20,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "saves_failed",
     "evictions",
     "corrupt_files",
+    "corrupt_blocks",
     "longest_prefix_probes",
     "resume_waits",
     "reuse_refused",

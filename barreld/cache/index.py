@@ -8,7 +8,11 @@ Subdatabases of `<data_dir>/index.lmdb` (format INDEX_FORMAT, recorded in `meta`
   prefixes  prefix key(32) -> u8 tier rank || u32 BE tokens || row key(32) || u32 BE n_tokens
             (dupsort: values sort bytewise, so the best row for a prefix, fastest tier then fewest
             tokens, is the first duplicate)
-  gone      key(32) -> tier NUL location: payloads of removed rows whose deletion is not yet recorded
+  gone      key(32) -> tier NUL location: payloads of removed rows whose deletion is not yet recorded;
+            u8 tier rank || block key(32) -> tier NUL location: the same for blocks
+  blocks    u8 tier rank || block key(32) -> u32 refs || u64 size || u8 written: one entry per block a row
+            of that tier names, reserved or available; refs counts those rows, so a block goes with its
+            last row (its bytes count in the tier's total once, however many rows share it)
 
 A row's lru and prefixes entries change in the transaction that changes the row, so choosing k victims
 or the best of any number of rows sharing a prefix costs O(k log N) or O(log N), never a scan.
@@ -46,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 
@@ -56,7 +60,7 @@ from .errors import IndexWriteError
 
 log = logging.getLogger("barreld.cache")
 
-INDEX_FORMAT = 2
+INDEX_FORMAT = 3
 INITIAL_MAP_SIZE = 1 << 30
 """The map a new index starts with; it doubles whenever it is three quarters used."""
 EVICT_BATCH = 16
@@ -71,7 +75,9 @@ AVAILABLE = "available"
 _STATUS_CODES = {RESERVED: 0, AVAILABLE: 1}
 _STATUSES = {code: name for name, code in _STATUS_CODES.items()}
 
-_ROW_HEAD = struct.Struct("<BBqIqqQdqIII")
+_ROW_HEAD_2 = struct.Struct("<BBqIqqQdqIII")
+_ROW_HEAD = struct.Struct("<BBqIqqQdqIIIIQ")
+_BLOCK = struct.Struct("<IQB")
 _ROW_ALIAS = struct.Struct("<32sI")
 _LRU = struct.Struct(">BQ32s")
 _RANKED = struct.Struct(">BI32sI")
@@ -107,12 +113,19 @@ class Row:
     aliases: tuple[tuple[bytes, int], ...] = ()
     memory: str = "full"  # the model's memory kind
     frontier: int = 0  # leading tokens the state holds reusably (the key covers all `tokens`)
+    blocks: tuple[bytes, ...] = ()  # keys of the blocks its payload names, in order (none: a whole state)
+    block_size: int = 0  # bytes each of them holds in the tier
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the row's payload and blocks take, as if none of its blocks were shared."""
+        return self.size + len(self.blocks) * self.block_size
 
     def encode(self) -> bytes:
-        """Format 2: `_ROW_HEAD` (format, status, numbers, string and alias counts, frontier), then model,
-        tier, save_reason, location ('' for none), token and memory kind joined by NUL, which none of them
-        can hold, then the (alias key, n_tokens) pairs. Binary, so open decodes 100,000 rows in a fraction
-        of a second."""
+        """Format 3: `_ROW_HEAD` (format, status, numbers, string, alias and block counts, frontier, block
+        size), then model, tier, save_reason, location ('' for none), token and memory kind joined by NUL,
+        which none of them can hold, then the (alias key, n_tokens) pairs, then the block keys. Binary, so
+        open decodes 100,000 rows in a fraction of a second."""
         strings = "\0".join(
             (self.model, self.tier, self.save_reason, self.location or "", self.token, self.memory)
         ).encode()
@@ -129,13 +142,16 @@ class Row:
             len(strings),
             len(self.aliases),
             self.frontier,
+            len(self.blocks),
+            self.block_size,
         )
-        return b"".join((head, strings, *(_ROW_ALIAS.pack(a, n) for a, n in self.aliases)))
+        return b"".join((head, strings, *(_ROW_ALIAS.pack(a, n) for a, n in self.aliases), *self.blocks))
 
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> Row:
-        """The row stored under `key`; RowFormatError for anything but a well-formed format 2 row."""
+        """The row stored under `key`; RowFormatError for anything but a well-formed format 2 or 3 row."""
         head, (model, tier, save_reason, location, token, memory), end = _unpack(key, raw)
+        blocks_at = end + head[10] * _ROW_ALIAS.size
         return cls(
             key=bytes(key),
             model=model,
@@ -151,9 +167,11 @@ class Row:
             location=location or None,
             owner=head[8],
             token=token,
-            aliases=tuple(_ROW_ALIAS.iter_unpack(raw[end:])),
+            aliases=tuple(_ROW_ALIAS.iter_unpack(raw[end:blocks_at])),
             memory=memory,
             frontier=head[11],
+            blocks=tuple(bytes(raw[i : i + 32]) for i in range(blocks_at, len(raw), 32)),
+            block_size=head[13],
         )
 
 
@@ -178,18 +196,21 @@ class RowHead(NamedTuple):
 
 
 def _unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
-    """A format 2 row's `_ROW_HEAD` fields, its six strings and where its aliases start; RowFormatError
-    for anything else."""
+    """A format 3 row's `_ROW_HEAD` fields (a format 2 row's, with no blocks), its six strings and where its
+    aliases start; RowFormatError for anything else."""
     try:
-        head = _ROW_HEAD.unpack_from(raw)
-        end = _ROW_HEAD.size + head[9]
-        fields = raw[_ROW_HEAD.size : end].decode().split("\0")
+        fmt = _ROW_HEAD if raw[:1] == bytes((INDEX_FORMAT,)) else _ROW_HEAD_2
+        head = fmt.unpack_from(raw)
+        if fmt is _ROW_HEAD_2:
+            head += (0, 0)
+        end = fmt.size + head[9]
+        fields = raw[fmt.size : end].decode().split("\0")
     except (struct.error, UnicodeDecodeError) as e:
         raise RowFormatError(f"unreadable index row {bytes(key).hex()}: {e}") from None
-    if head[0] != INDEX_FORMAT or head[1] not in _STATUSES or len(fields) != 6:
-        raise RowFormatError(f"index row {bytes(key).hex()} is not a format {INDEX_FORMAT} row")
-    if len(raw) != end + head[10] * _ROW_ALIAS.size:
-        raise RowFormatError(f"index row {bytes(key).hex()} has a torn alias list")
+    if head[0] not in (2, INDEX_FORMAT) or head[1] not in _STATUSES or len(fields) != 6:
+        raise RowFormatError(f"index row {bytes(key).hex()} is not a format 2 or {INDEX_FORMAT} row")
+    if len(raw) != end + head[10] * _ROW_ALIAS.size + head[12] * 32:
+        raise RowFormatError(f"index row {bytes(key).hex()} has a torn alias or block list")
     return head, fields, end
 
 
@@ -204,7 +225,7 @@ def _decode_v1(key: bytes, raw: bytes) -> Row:
 
 
 def _decode_any(key: bytes, raw: bytes) -> Row:
-    """A row of either known format: format 1 rows are JSON objects, format 2 rows start with byte 2."""
+    """A row of any known format: format 1 rows are JSON objects, format 2 and 3 rows start with that byte."""
     return _decode_v1(key, raw) if raw[:1] == b"{" else Row.decode(key, raw)
 
 
@@ -225,6 +246,11 @@ def _prefix_entries(row: Row | None) -> set[tuple[bytes, bytes]]:
         return set()
     rank = _rank(row.tier)
     return {(alias, _RANKED.pack(rank, row.tokens, row.key, n)) for alias, n in row.aliases}
+
+
+def _block_id(tier: str, key: bytes) -> bytes:
+    """A block's entry key in the blocks sub-database and its gone mark: tier rank, then its key."""
+    return bytes((_rank(tier),)) + key
 
 
 def _merge_touches(into: dict[bytes, tuple[int, int]], more: dict[bytes, tuple[int, int]]) -> None:
@@ -260,6 +286,15 @@ class Reservation:
     status: str
     token: str = ""
     evicted: int = 0
+    unwritten: tuple[bytes, ...] = ()
+
+
+class _Refused(Exception):
+    """Rolls a reservation's transaction back: nothing it referenced or created stays."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 def valid_aliases(key: bytes, tokens: int, aliases: Iterable[tuple[bytes, int]]) -> tuple[tuple[bytes, int], ...]:
@@ -380,30 +415,74 @@ class Batch:
         d[0] += size
         d[1] += rows
 
-    def put(self, row: Row) -> None:
-        """Insert or replace a row; its lru and prefix entries follow it."""
-        self.store(self.get(row.key), row)
+    def put(self, row: Row, *, written: bool = False) -> None:
+        """Insert or replace a row; its lru and prefix entries follow it, and a new row takes a reference on
+        each of its blocks (`written`: their files are known to be in place)."""
+        self.store(self.get(row.key), row, written=written)
 
-    def store(self, old: Row | None, row: Row) -> None:
+    def store(self, old: Row | None, row: Row, *, written: bool = False) -> None:
         """`put`, given the row it replaces as read in this transaction (None for a new row)."""
         if old is None:
             self._delta(row.tier, row.size, 1)
-        elif old.tier != row.tier or old.size != row.size:
-            raise ValueError("a row's tier and size never change in place")
+            self._ref_blocks(row, written)
+        elif old.tier != row.tier or old.size != row.size or old.blocks != row.blocks:
+            raise ValueError("a row's tier, size and blocks never change in place")
         self.txn.put(row.key, row.encode(), db=self._index._rows)
         self.relink(old, row)
         if row.status == AVAILABLE and (old is None or old.status != AVAILABLE):
             self.txn.delete(row.key, db=self._index._gone)  # the location is a live row's again
 
-    def remove(self, row: Row, *, delete_bytes: bool = True) -> None:
+    def remove(self, row: Row, *, delete_bytes: bool = True, blocks: bool = True) -> None:
         """Drop a row, as read in this transaction, and its entries; unless told otherwise its payload is
-        marked gone and deleted after commit."""
+        marked gone and deleted after commit, and so is each of its blocks no other row refers to."""
         self.txn.delete(row.key, db=self._index._rows)
         self.relink(row, None)
         self._delta(row.tier, -row.size, -1)
         if delete_bytes and row.location is not None:
-            self.txn.put(row.key, f"{row.tier}\0{row.location}".encode(), db=self._index._gone)
-            self.removed.append(Payload(row.key, row.tier, row.location))
+            self._gone(row.key, row.tier, row.location)
+        if blocks:
+            self._unref_blocks(row)
+
+    def _gone(self, key: bytes, tier: str, location: str) -> None:
+        self.txn.put(key, f"{tier}\0{location}".encode(), db=self._index._gone)
+        self.removed.append(Payload(key, tier, location))
+
+    def block(self, tier: str, key: bytes) -> tuple[int, int, int] | None:
+        """A block's (refs, size, written), or None when no row of the tier names it."""
+        raw = self.txn.get(_block_id(tier, key), db=self._index._blocks)
+        return None if raw is None else _BLOCK.unpack(raw)
+
+    def _ref_blocks(self, row: Row, written: bool) -> None:
+        for key in row.blocks:
+            entry = self.block(row.tier, key)
+            if entry is None:
+                self._delta(row.tier, row.block_size, 0)
+                entry = (0, row.block_size, int(written))
+                self.txn.delete(_block_id(row.tier, key), db=self._index._gone)  # its location lives again
+            refs, size, was = entry
+            self.txn.put(_block_id(row.tier, key), _BLOCK.pack(refs + 1, size, was or written), db=self._index._blocks)
+
+    def _unref_blocks(self, row: Row) -> None:
+        for key in row.blocks:
+            entry = self.block(row.tier, key)
+            if entry is None:
+                continue
+            refs, size, written = entry
+            bid = _block_id(row.tier, key)
+            if refs > 1:
+                self.txn.put(bid, _BLOCK.pack(refs - 1, size, written), db=self._index._blocks)
+                continue
+            self.txn.delete(bid, db=self._index._blocks)
+            self._delta(row.tier, -size, 0)
+            self._gone(bid, row.tier, self._index.block_location(row.tier, key))
+
+    def mark_blocks(self, row: Row, written: bool) -> None:
+        """Record whether the row's blocks are in place (written by a publisher, or found corrupt)."""
+        for key in row.blocks:
+            entry = self.block(row.tier, key)
+            if entry is not None and entry[2] != written:
+                self.txn.put(_block_id(row.tier, key), _BLOCK.pack(entry[0], entry[1], written),
+                             db=self._index._blocks)
 
     def relink(self, old: Row | None, new: Row | None) -> None:
         """Replace `old`'s lru and prefix entries with `new`'s, touching only those that differ."""
@@ -443,6 +522,7 @@ class Index:
         *,
         forget: Callable[[Payload], None],
         delete: Callable[[list[Payload]], set[bytes]],
+        block_location: Callable[[str, bytes], str] = lambda tier, key: f"{key.hex()}.kvb",
     ) -> None:
         path = Path(path)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -455,6 +535,8 @@ class Index:
         self._lru = self._env.open_db(b"lru")
         self._prefixes = self._env.open_db(b"prefixes", dupsort=True)
         self._gone = self._env.open_db(b"gone")
+        self._blocks = self._env.open_db(b"blocks")
+        self._block_location = block_location
         self._page = self._env.stat()["psize"]
         self.quotas = dict(quotas)
         self._forget, self._delete = forget, delete
@@ -480,6 +562,10 @@ class Index:
             b.durable = True
         self._env.close()
 
+    def block_location(self, tier: str, key: bytes) -> str:
+        """Where a tier keeps a block."""
+        return self._block_location(tier, key)
+
     def now_ns(self) -> int:
         """Wall-clock nanoseconds, strictly increasing, so LRU order never ties."""
         with self._mem_lock:
@@ -500,8 +586,8 @@ class Index:
         decode: Callable[[bytes, bytes], Row] | None = _decode_any
         if found == INDEX_FORMAT:
             what = f"was ranked by the tier order {tiers!r}"
-        elif found is None and has_rows:
-            what = "is in format 1"
+        elif found in (None, 2) and has_rows:
+            what = f"is in format {found or 1}"
         elif found is None:
             what = ""  # a new index
         else:
@@ -557,11 +643,13 @@ class Index:
         Every other row goes to `dropped` (with the size of the file at its location, if any) and is then
         removed, its payload untouched. Per-tier totals are recounted and the LRU clock restarts after the
         newest row. Rows this version cannot read are dropped, with one log line, and the lru and prefix
-        entries rebuilt without them."""
+        entries rebuilt without them. A row is kept only if every block it names is in place too; the blocks
+        are then counted again from the rows kept (their locations are among those returned)."""
         used = dict.fromkeys(self.quotas, 0)
         count = dict.fromkeys(self.quotas, 0)
         kept: set[str] = set()
         lost: list[bytes] = []
+        blocks: dict[bytes, list] = {}  # block id -> [refs, size, location, tier]
         clock = bad = 0
         with self._reading() as txn:
             for key, raw in txn.cursor(db=self._rows):  # the hot loop of open: 100,000 rows, kept lean
@@ -578,26 +666,40 @@ class Index:
                 listing = listings.get(tier)
                 found = listing.sizes.get(location) if listing is not None else None
                 home = f"{listing.prefix}{key.hex()}{listing.suffix}" if found == size else None
-                if head[1] == _STATUS_CODES[AVAILABLE] and location == home:
+                chain = _chain(key, raw, head, tier, listing, self._block_location)
+                if head[1] == _STATUS_CODES[AVAILABLE] and location == home and chain is not None:
                     kept.add(location)
+                    for bid, where in chain:
+                        blocks.setdefault(bid, [0, head[13], where, tier])[0] += 1
                     continue
                 dropped(RowHead(key, tier, _STATUSES[head[1]], size, location or None, ns), found)
                 lost.append(key)
+        for _, size, where, tier in blocks.values():
+            used[tier] = used.get(tier, 0) + size
+            kept.add(where)
         self._used, self._count = used, count
         with self._mem_lock:
             self._clock = max(self._clock, clock)
         self._in_batches(lost, self._drop)
+        self._recount_blocks(blocks)
         if bad:
             rewritten, gone = self._rewrite(_decode_any)
             log.warning("the cache index held %d unreadable rows: %d dropped, %d kept", bad, gone, rewritten)
         return kept
+
+    def _recount_blocks(self, blocks: dict[bytes, list]) -> None:
+        """Block entries as the rows kept at open name them: every block in place, written."""
+        with self.write() as b:
+            b.txn.drop(self._blocks, delete=False)
+            for bid, (refs, size, _, _) in sorted(blocks.items()):
+                b.txn.put(bid, _BLOCK.pack(refs, size, 1), db=self._blocks)
 
     @staticmethod
     def _drop(b: Batch, key: bytes) -> None:
         """Remove a row found at open, leaving its payload to the adoption pass."""
         row = b.get(key)
         if row is not None:
-            b.remove(row, delete_bytes=False)
+            b.remove(row, delete_bytes=False, blocks=False)  # the blocks are counted again from the rows kept
 
     def gone(self) -> list[tuple[bytes, str, str]]:
         """(key, tier, location) of removed rows whose payload deletion was never recorded as done."""
@@ -750,6 +852,7 @@ class Index:
         folded first, under the lock touches take, so the order is exactly the order of use."""
         chosen: list[Row] = []
         freed = 0
+        refs: dict[bytes, int] = {}  # references left on the chosen rows' blocks
         with self._mem_lock:
             touched, self._touched = self._touched, {}
             batch.fold(touched)
@@ -761,12 +864,25 @@ class Index:
                 row = None if self._refs.get(key) else batch.get(key)
                 if row is not None:
                     chosen.append(row)
-                    freed += row.size
+                    freed += row.size + self._blocks_freed(batch, row, refs)
             if freed < need and not partial:
                 return None
             self._doomed.update(r.key for r in chosen)
         batch.doomed.extend(r.key for r in chosen)
         return chosen
+
+    @staticmethod
+    def _blocks_freed(batch: Batch, row: Row, refs: dict[bytes, int]) -> int:
+        """Bytes of the row's blocks that removing it (after the rows counted in `refs`) frees."""
+        freed = 0
+        for key in row.blocks:
+            entry = batch.block(row.tier, key)
+            if entry is None:
+                continue
+            left = refs.get(key, entry[0]) - 1
+            refs[key] = left
+            freed += entry[1] if left == 0 else 0
+        return freed
 
     def reserve(
         self,
@@ -780,41 +896,51 @@ class Index:
         save_reason: str,
         memory: str = "full",
         frontier: int | None = None,
+        blocks: tuple[bytes, ...] = (),
+        block_size: int = 0,
     ) -> Reservation:
-        """Claim `key` for one writer and `size` bytes of `tier`, evicting that tier's LRU rows to fit."""
+        """Claim `key` for one writer and `size` bytes of `tier` plus those of its blocks not stored there yet
+        (a reference on each), evicting that tier's LRU rows to fit. `unwritten` lists the blocks the writer
+        must store before it publishes: those no published row has in place."""
         self._drain_touches()
-        with self.write() as b:
-            if b.get(key) is not None:
-                return Reservation("duplicate")
-            quota = self.quotas[tier]
-            if size > quota:
-                return Reservation("too_big")
-            need = self._used[tier] + size - quota
-            victims = self._victims(b, _Walk((tier,)), need, partial=False) if need > 0 else []
-            if victims is None:
-                return Reservation("no_room")
-            for row in victims:
-                b.remove(row)
-            token = secrets.token_hex(8)
-            b.put(
-                Row(
-                    key=key,
-                    model=model,
-                    tier=tier,
-                    size=size,
-                    tokens=tokens,
-                    text_bytes=text_bytes,
-                    save_reason=save_reason,
-                    memory=memory,
-                    frontier=tokens if frontier is None else frontier,
-                    status=RESERVED,
-                    last_used_ns=self.now_ns(),
-                    created=time.time(),
-                    owner=os.getpid(),
-                    token=token,
-                )
-            )
-        return Reservation("reserved", token, len(victims))
+        try:
+            with self.write() as b:
+                return self._reserve(b, key, tier, size, model=model, tokens=tokens, text_bytes=text_bytes,
+                                     save_reason=save_reason, memory=memory, frontier=frontier, blocks=blocks,
+                                     block_size=block_size)
+        except _Refused as refused:
+            return Reservation(refused.status)
+
+    def _reserve(self, b: Batch, key: bytes, tier: str, size: int, *, frontier: int | None, **fields: Any
+                 ) -> Reservation:
+        if b.get(key) is not None:
+            return Reservation("duplicate")
+        token = secrets.token_hex(8)
+        row = Row(
+            key=key,
+            tier=tier,
+            size=size,
+            frontier=fields["tokens"] if frontier is None else frontier,
+            status=RESERVED,
+            last_used_ns=self.now_ns(),
+            created=time.time(),
+            owner=os.getpid(),
+            token=token,
+            **fields,
+        )
+        b.put(row)
+        quota = self.quotas[tier]
+        added = b.deltas[tier][0]
+        if added > quota:
+            raise _Refused("too_big")
+        need = self._used[tier] + added - quota
+        victims = self._victims(b, _Walk((tier,)), need, partial=False) if need > 0 else []
+        if victims is None:
+            raise _Refused("no_room")
+        for victim in victims:
+            b.remove(victim)
+        unwritten = tuple(k for k in row.blocks if not b.block(tier, k)[2])
+        return Reservation("reserved", token, len(victims), unwritten)
 
     def holds(self, key: bytes, token: str) -> bool:
         """Whether the reservation of `key` is still the writer's with this token."""
@@ -835,6 +961,7 @@ class Index:
                 aliases=valid_aliases(key, row.tokens, aliases),
             )
             b.store(row, published)
+            b.mark_blocks(row, True)
             b.durable = True  # acknowledged to the saver: it must survive a system crash
         return True
 
@@ -871,7 +998,7 @@ class Index:
                         b.remove(row)
                 removed += b.removed
                 evicted += len(victims)
-                freed += sum(r.size for r in victims)
+                freed -= sum(size for size, _ in b.deltas.values())  # rows and the blocks they took with them
                 if len(victims) < EVICT_BATCH:
                     break
         finally:
@@ -954,6 +1081,25 @@ class Index:
                 row.hits += hits
         return rows
 
+    def blocks(self) -> dict[bytes, tuple[int, int, int]]:
+        """Every block entry: (tier rank || key) -> (refs, size, written)."""
+        with self._reading() as txn:
+            return {bytes(k): _BLOCK.unpack(v) for k, v in txn.cursor(db=self._blocks)}
+
+    def block_refs(self, tier: str, keys: Iterable[bytes]) -> list[int]:
+        """How many rows refer to each of these blocks of a tier (0: none)."""
+        with self._reading() as txn:
+            raws = [txn.get(_block_id(tier, k), db=self._blocks) for k in keys]
+        return [0 if raw is None else _BLOCK.unpack(raw)[0] for raw in raws]
+
+    def block_corrupt(self, tier: str, key: bytes) -> None:
+        """A block failed verification: the next save that names it writes it again (the same bytes, by its
+        key), which repairs every row that shares it."""
+        with self.write() as b:
+            entry = b.block(tier, key)
+            if entry is not None:
+                b.txn.put(_block_id(tier, key), _BLOCK.pack(entry[0], entry[1], 0), db=self._blocks)
+
     def usage(self, tier: str) -> tuple[int, int]:
         """(bytes, rows) of reserved and available rows in a tier."""
         return self._used.get(tier, 0), self._count.get(tier, 0)
@@ -966,6 +1112,7 @@ class Index:
             lru = set(txn.cursor(db=self._lru).iternext(values=False))
             prefixes = set(txn.cursor(db=self._prefixes).iternext())
             gone = set(txn.cursor(db=self._gone).iternext(values=False))
+            blocks = {bytes(k): _BLOCK.unpack(v)[:2] for k, v in txn.cursor(db=self._blocks)}
         problems: list[str] = []
         rows: list[Row] = []
         for key, raw in stored:
@@ -982,16 +1129,46 @@ class Index:
         for alias, value in sorted(want_prefixes - prefixes):
             problems.append(f"{value[5:37].hex()}: alias {alias.hex()} missing from the alias table")
         problems += [f"{r.key.hex()}: available but marked gone" for r in rows if _lru_key(r) and r.key in gone]
-        return problems + self._check_totals(rows)
+        return problems + _check_blocks(rows, blocks) + self._check_totals(rows, blocks)
 
-    def _check_totals(self, rows: list[Row]) -> list[str]:
+    def _check_totals(self, rows: list[Row], blocks: dict[bytes, tuple[int, int]]) -> list[str]:
         problems = []
         for tier in sorted(set(self.quotas) | {r.tier for r in rows}):
             mine = [r for r in rows if r.tier == tier]
             used, count = self.usage(tier)
-            if (used, count) != (sum(r.size for r in mine), len(mine)):
+            block_bytes = sum(size for bid, (_, size) in blocks.items() if bid[0] == _rank(tier))
+            if (used, count) != (sum(r.size for r in mine) + block_bytes, len(mine)):
                 problems.append(f"{tier}: totals {used} B / {count} rows disagree with the rows")
         return problems
+
+
+def _check_blocks(rows: list[Row], blocks: dict[bytes, tuple[int, int]]) -> list[str]:
+    """Block entries exactly those the rows name, each with as many references as rows naming it."""
+    want: dict[bytes, list[int]] = {}
+    for row in rows:
+        for key in row.blocks:
+            want.setdefault(_block_id(row.tier, key), [0, row.block_size])[0] += 1
+    problems = [f"block {bid[1:].hex()}: {blocks.get(bid)} (refs, size) where the rows say {tuple(w)}"
+                for bid, w in sorted(want.items()) if blocks.get(bid) != tuple(w)]
+    return problems + [f"block {bid[1:].hex()} is named by no row" for bid in sorted(blocks.keys() - want.keys())]
+
+
+def _chain(key: bytes, raw: bytes, head: tuple, tier: str, listing: Listing | None,
+           location: Callable[[str, bytes], str]) -> list[tuple[bytes, str]] | None:
+    """(block id, location) of each block a row names, or None when one of them is not in place."""
+    if not head[12]:
+        return []
+    if listing is None:
+        return None
+    start = len(raw) - head[12] * 32
+    chain = []
+    for i in range(start, len(raw), 32):
+        block = bytes(raw[i : i + 32])
+        where = location(tier, block)
+        if listing.sizes.get(where) != head[13]:
+            return None
+        chain.append((_block_id(tier, block), where))
+    return chain
 
 
 def _items_after(cur: lmdb.Cursor, after: bytes, n: int) -> list[tuple[bytes, bytes]]:

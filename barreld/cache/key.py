@@ -2,6 +2,12 @@
 
 key = sha256(fingerprint(32) || quant(16, NUL-padded ASCII) || u32 len(ctx_params) || ctx_params || rendered)
 
+A block of a checkpoint's KV (its cells for tokens i*B .. i*B+n-1) has a key of its own, chained to the
+block before it, so that equal keys mean the same tokens after the same prefix under the same model:
+
+block key = sha256(b"BRLBLK\0\1" || fingerprint(32) || quant(16) || u32 len(ctx_params) || ctx_params
+                   || parent block key (32; zeros for the first block) || u32 n || n tokens as int32)
+
 Every field before the rendered prompt bytes has a fixed width or an explicit length, so no two
 different field tuples can produce the same hashed byte string.
 """
@@ -11,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +26,8 @@ from typing import Any
 from barreld.names import FINGERPRINT_MODES
 
 _READ_CHUNK = 8 * 1024 * 1024
+BLOCK_TAG = b"BRLBLK\0\1"
+NO_PARENT = bytes(32)
 _QUANT_WIDTH = 16
 
 
@@ -250,6 +260,7 @@ class KeyScheme:
     quant: str
     ctx_params: bytes
     _prefix: Any = field(init=False, repr=False, compare=False)
+    _block_prefix: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.fingerprint) != 32:
@@ -268,12 +279,31 @@ class KeyScheme:
             + bytes(self.ctx_params)
         )
         object.__setattr__(self, "_prefix", hashlib.sha256(prefix))
+        object.__setattr__(self, "_block_prefix", hashlib.sha256(BLOCK_TAG + prefix))
 
     def key(self, rendered: bytes) -> bytes:
         """The 32-byte cache key of these rendered prompt bytes."""
         h = self._prefix.copy()
         h.update(rendered)
         return h.digest()
+
+    def block_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        """The 32-byte key of a block of KV holding `tokens`, after the block whose key is `parent`."""
+        if len(parent) != 32:
+            raise ValueError(f"a parent block key is 32 bytes, got {len(parent)}")
+        h = self._block_prefix.copy()
+        h.update(parent)
+        h.update(struct.pack("<I", len(tokens)))
+        h.update(array("i", tokens).tobytes())
+        return h.digest()
+
+    def block_keys(self, tokens: Sequence[int], block_tokens: int, count: int) -> list[bytes]:
+        """The chained keys of the first `count` blocks of `block_tokens` tokens each."""
+        keys, parent = [], NO_PARENT
+        for i in range(count):
+            parent = self.block_key(parent, tokens[i * block_tokens : (i + 1) * block_tokens])
+            keys.append(parent)
+        return keys
 
     def key_hex(self, rendered: bytes) -> str:
         """The key as 64 lowercase hex digits, as `cache dump` prints it."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from enum import StrEnum
 
 import numpy as np
@@ -454,6 +454,11 @@ class _Seg:
     cell_stride: int
     unit: int
 
+    @property
+    def packed(self) -> bool:
+        """One run of cells with nothing between them."""
+        return self.chans == 1 and self.cell_stride == self.unit
+
     def view(self, buf: memoryview, first: int, count: int) -> np.ndarray:
         start = self.offset + first * self.cell_stride
         strides = (self.chan_stride, self.cell_stride, 1)
@@ -493,9 +498,14 @@ def _payload_segs(kv: KvShape, cells: int) -> list[_Seg]:
 
 def _copy_cells(src: memoryview, src_segs: list[_Seg], pick: slice | np.ndarray, dst: memoryview,
                 dst_segs: list[_Seg], first: int, count: int) -> None:
-    """Copies the picked source cells (a slice, or storage indices) to dst cells first..first+count-1."""
+    """Copies the picked source cells (a slice, or storage indices) to dst cells first..first+count-1. Runs of
+    rows that lie back to back on both sides (K, and V unless transposed) are copied as one memcpy."""
     for s, d in zip(src_segs, dst_segs, strict=True):
-        if isinstance(pick, slice):
+        if isinstance(pick, slice) and s.packed and d.packed:
+            n = count * s.unit
+            at, to = s.offset + pick.start * s.unit, d.offset + first * d.unit
+            dst[to : to + n] = src[at : at + n]
+        elif isinstance(pick, slice):
             d.view(dst, first, count)[...] = s.view(src, pick.start, count)
         else:
             d.view(dst, first, count)[...] = s.view(src, 0, int(pick.max()) + 1)[:, pick, :]
@@ -746,3 +756,36 @@ def self_check(buf: Buffer, spec: StateSpec) -> StateShape:
         raise StateFormatError("unknown llama.cpp sequence-state layout: taken apart and assembled again, "
                                "the state is not the same bytes")
     return shape
+
+
+def shape_to_json(shape: StateShape) -> dict:
+    """A shape as plain JSON values, so a stored row can be assembled without the model loaded."""
+    def one(s: KvShape | RecurrentShape) -> list:
+        if isinstance(s, KvShape):
+            return ["kv", s.n_stream, int(s.v_trans), s.cell_ext, [list(astuple(layer)) for layer in s.layers]]
+        return ["recurrent", *astuple(s)]
+
+    return {"sections": [str(k) for k in shape.spec.sections], "cell_ext": shape.spec.cell_ext,
+            "shapes": [one(s) for s in shape.sections]}
+
+
+def shape_from_json(data: object) -> StateShape:
+    """The shape `shape_to_json` wrote; StateFormatError for anything else."""
+    try:
+        spec = StateSpec(tuple(SectionKind(k) for k in data["sections"]), int(data["cell_ext"]))
+        shapes: list[KvShape | RecurrentShape] = []
+        for s in data["shapes"]:
+            if s[0] == "kv":
+                layers = tuple(LayerShape(*(int(x) for x in layer)) for layer in s[4])
+                shapes.append(KvShape(int(s[1]), bool(s[2]), int(s[3]), layers))
+            elif s[0] == "recurrent":
+                shapes.append(RecurrentShape(*(int(x) for x in s[1:7])))
+            else:
+                raise ValueError(f"unknown section shape {s[0]!r}")
+        kinds_match = all(isinstance(x, KvShape) == (k is not SectionKind.RECURRENT)
+                          for k, x in zip(spec.sections, shapes, strict=True))
+        if not kinds_match:
+            raise ValueError("section shapes do not match the section kinds")
+        return StateShape(spec, tuple(shapes))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise StateFormatError(f"unreadable state shape: {e}") from None

@@ -8,6 +8,12 @@ directory -> mark the row available, durably. A crash anywhere leaves a state `o
 reserved row is cleared, a temp file removed, the file of a row removed before the crash deleted, a
 complete published file without a row verified and adopted.
 
+With `block_tokens` set, a checkpoint that carries its model's state shape is stored as a chain of blocks
+(`barreld.cache.blocks`): the reservation takes a reference on each block, the blocks no published row has in
+place are written first, and the row's own file last, so no row is ever published before the blocks it
+names. A block is deleted with its last row; `open()` drops rows whose blocks are missing and deletes blocks
+no row names.
+
 A shared remote tier (optional, beneath the local ones) hooks in at three places: a published checkpoint
 is mirrored to it by a writer thread; a lookup that misses locally may probe it (`lookup_remote`); a
 remote hit is fetched, verified and restored from memory, and promoted into a local tier by an ordinary
@@ -16,6 +22,7 @@ async save for next time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -29,13 +36,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from barreld.names import REDIS_TIER, TIER_NAMES
+from barreld.names import REDIS_TIER, TIER_NAMES, TIER_RANK
 
+from . import blocks
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
 from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Reservation, Row, RowHead, valid_aliases
-from .tiers import FileTier, RamTier, Tier, lock_file
+from .stateformat import StateFormatError
+from .tiers import BLOCK_SUFFIX, FileTier, RamTier, Tier, lock_file, thread_buffer
 from .writer import WriterPool
 
 if TYPE_CHECKING:
@@ -80,6 +89,34 @@ class ReconcileReport:
     duplicates_removed: int = 0
     over_quota_removed: int = 0
     gone_deleted: int = 0  # files of rows removed before a crash cut their deletion short
+    blocks_missing: int = 0  # rows dropped because a block they name is not in place
+    orphan_blocks_removed: int = 0  # block files no row names
+
+
+_read_buffers = threading.local()
+
+
+def _adopted_row(ckpt: Checkpoint, tier: str, location: str, size: int) -> Row:
+    """The row of a verified file found without one: used when it was written."""
+    chain = ckpt.chain
+    return Row(
+        key=ckpt.key,
+        model=ckpt.model,
+        tier=tier,
+        size=size,
+        tokens=len(ckpt.tokens),
+        text_bytes=len(ckpt.rendered),
+        save_reason=ckpt.save_reason,
+        status=AVAILABLE,
+        last_used_ns=int(ckpt.created * 1e9),
+        created=ckpt.created,
+        location=location,
+        aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
+        memory=ckpt.memory,
+        frontier=ckpt.frontier_tokens,
+        blocks=chain.keys if chain is not None else (),
+        block_size=chain.block_size if chain is not None else 0,
+    )
 
 
 class CacheStore:
@@ -96,6 +133,7 @@ class CacheStore:
         *,
         writers: int = 2,
         queue_size: int = 16,
+        block_tokens: int = 0,
         remote: RemoteTier | None = None,
     ) -> None:
         unknown = set(tiers) - set(TIER_NAMES)
@@ -103,6 +141,9 @@ class CacheStore:
             raise ValueError(
                 f"unknown tier(s) {', '.join(sorted(unknown))}; tiers are {', '.join(TIER_NAMES)}"
             )
+        if block_tokens < 0:
+            raise ValueError(f"block_tokens must be 0 (whole states) or more, not {block_tokens}")
+        self.block_tokens = block_tokens
         self.data_dir = Path(data_dir).absolute()
         self._configs = {name: tiers.get(name, TierConfig(0)) for name in TIER_NAMES}
         self._writers = writers
@@ -139,7 +180,8 @@ class CacheStore:
                 tier.lock()
             quotas = {name: t.quota for name, t in self._tiers.items()}
             self._index = Index(
-                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payloads
+                self.data_dir / "index.lmdb", quotas, forget=self._forget_payload, delete=self._delete_payloads,
+                block_location=lambda tier, key: self._tiers[tier].block_location(key.hex()),
             )
             self.last_reconcile = self._reconcile()
             log.info(
@@ -230,7 +272,9 @@ class CacheStore:
         for tier in self._file_tiers():
             orphans = stored[tier.name]
             for location in sorted(orphans.keys() - kept):
-                self._adopt(tier, location, orphans[location], report)
+                if not location.endswith(BLOCK_SUFFIX):
+                    self._adopt(tier, location, orphans[location], report)
+        self._remove_orphan_blocks(stored, report)
         for name, tier in self._tiers.items():
             used, _ = index.usage(name)
             if used > tier.quota:  # the quota was lowered since the last run
@@ -246,6 +290,9 @@ class CacheStore:
             report.ram_rows_dropped += 1
         elif row.status == RESERVED:  # the writer is dead; a file it published before dying is adopted
             report.reservations_cleared += 1
+        elif size == row.size:  # its own file is in place: a block it names is not
+            log.warning("dropping cache row %s (%s): a block it names is missing", row.key.hex(), row.tier)
+            report.blocks_missing += 1
         else:
             log.warning(
                 "dropping cache row %s (%s): its file %s",
@@ -272,6 +319,17 @@ class CacheStore:
                 tier.sync()  # the deletions last before their marks go
         index.clear_gone([key for key, _, _ in marks])
 
+    def _remove_orphan_blocks(self, stored: dict[str, dict[str, int]], report: ReconcileReport) -> None:
+        """Delete the block files no row names (their rows were dropped, or their writer died first)."""
+        named = {self._tiers[TIER_NAMES[bid[0]]].block_location(bid[1:].hex()) for bid in self._require_open().blocks()}
+        for tier in self._file_tiers():
+            orphans = [loc for loc in stored[tier.name] if loc.endswith(BLOCK_SUFFIX) and loc not in named]
+            for location in orphans:
+                tier.delete(location)
+            if orphans:
+                tier.sync()
+            report.orphan_blocks_removed += len(orphans)
+
     def _adopt(self, tier: FileTier, location: str, size: int, report: ReconcileReport) -> None:
         """Index a complete file that has no row, after verifying every byte of it; else delete it."""
         index = self._require_open()
@@ -280,34 +338,23 @@ class CacheStore:
             ckpt.check_key()
             if Path(location).name != f"{ckpt.key.hex()}.kvc":
                 raise CorruptCheckpoint("file name does not match the key of its contents")
+            chain = ckpt.chain
+            if chain is not None and any(tier.size(tier.block_location(k.hex())) != chain.block_size
+                                         for k in chain.keys):
+                raise CorruptCheckpoint("a block it names is missing")
         except (CorruptCheckpoint, OSError) as e:
             log.warning("removing unreadable cache file %s: %s", location, e)
             tier.delete(location)
             report.corrupt_removed += 1
             self.counters.count("corrupt_files")
             return
+        row = _adopted_row(ckpt, tier.name, location, size)
         with index.write() as b:
             duplicate = b.get(ckpt.key) is not None  # the key already lives in the other file tier
-            fits = not duplicate and index.usage(tier.name)[0] + size <= tier.quota
+            new_blocks = [k for k in row.blocks if b.block(tier.name, k) is None]
+            fits = not duplicate and index.usage(tier.name)[0] + size + len(new_blocks) * row.block_size <= tier.quota
             if fits:
-                b.put(
-                    Row(
-                        key=ckpt.key,
-                        model=ckpt.model,
-                        tier=tier.name,
-                        size=size,
-                        tokens=len(ckpt.tokens),
-                        text_bytes=len(ckpt.rendered),
-                        save_reason=ckpt.save_reason,
-                        status=AVAILABLE,
-                        last_used_ns=int(ckpt.created * 1e9),
-                        created=ckpt.created,
-                        location=location,
-                        aliases=valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes),
-                        memory=ckpt.memory,
-                        frontier=ckpt.frontier_tokens,
-                    )
-                )
+                b.put(row, written=True)
         if fits:
             report.adopted += 1
             return
@@ -346,12 +393,12 @@ class CacheStore:
             if key in self._pending or index.get(key) is not None:
                 self.counters.count("saves_duplicate")
                 return SaveOutcome("duplicate", key, tier)
-            if size > self._tiers[tier].quota:
+            if size > self._tiers[tier].quota and not self._splits(ckpt):
                 self.counters.count("saves_dropped")
                 return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
             try:
                 assert self._pool is not None
-                fut = self._pool.submit(lambda: self._publish(ckpt, tier, size), urgent=sync)
+                fut = self._pool.submit(lambda: self._publish(ckpt, tier), urgent=sync)
             except WriterQueueFull as e:
                 self.counters.count("saves_dropped")
                 return SaveOutcome("dropped", key, tier, detail=str(e))
@@ -374,29 +421,31 @@ class CacheStore:
         with self._plock:
             return self._pending.get(key)
 
-    @staticmethod
-    def _reserve(index: Index, ckpt: Checkpoint, tier_name: str, size: int) -> Reservation:
-        """The row's reservation, with what lookups judge it by before any file is read."""
-        return index.reserve(
-            ckpt.key,
-            tier_name,
-            size,
-            model=ckpt.model,
-            tokens=len(ckpt.tokens),
-            text_bytes=len(ckpt.rendered),
-            save_reason=ckpt.save_reason,
-            memory=ckpt.memory,
-            frontier=ckpt.frontier_tokens,
-        )
+    def _splits(self, ckpt: Checkpoint) -> bool:
+        return self.block_tokens > 0 and ckpt.layout is not None
 
-    def _publish(self, ckpt: Checkpoint, tier_name: str, size: int) -> SaveOutcome:
+    def _as_blocks(self, ckpt: Checkpoint) -> tuple[Checkpoint, dict[bytes, bytearray]]:
+        """The checkpoint as it is stored: a row naming its blocks (with their payloads), else whole."""
+        if not self._splits(ckpt):
+            return replace(ckpt, layout=None), {}
+        try:
+            split = blocks.split(ckpt, self.block_tokens)
+        except StateFormatError as e:
+            log.warning("a state of %s could not be cut into blocks (%s); it is stored whole", ckpt.model, e)
+            split = None
+        if split is None:
+            return replace(ckpt, layout=None), {}
+        return split[0], dict(split[1])
+
+    def _publish(self, ckpt: Checkpoint, tier_name: str) -> SaveOutcome:
         """The publish protocol, run on a writer thread."""
         t0 = time.perf_counter_ns()
         index = self._require_open()
         tier = self._tiers[tier_name]
-        key = ckpt.key
+        key, whole = ckpt.key, ckpt
+        ckpt, payloads = self._as_blocks(ckpt)
         try:
-            res = self._reserve(index, ckpt, tier_name, size)
+            res = self._reserve(ckpt, tier_name)
         except IndexWriteError as e:
             return self._failed(key, tier_name, e)
         if res.evicted:
@@ -409,6 +458,7 @@ class CacheStore:
             return SaveOutcome("dropped", key, tier_name, detail=res.status)
         index.settle(key)  # an earlier file of this key left to delete must not take the new one with it
         try:
+            self._write_blocks(tier, res.unwritten, payloads, lambda: index.holds(key, res.token))
             location = tier.put(key.hex(), encode_parts(ckpt), lambda: index.holds(key, res.token))
         except TierWriteError as e:
             self._abandon(key, res.token)
@@ -429,8 +479,34 @@ class CacheStore:
             return SaveOutcome("dropped", key, tier_name, detail="reservation lost")
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
-        self._mirror(ckpt)
+        self._mirror(whole)  # whole: the remote tier stores states, not this tier's blocks
         return SaveOutcome("published", key, tier_name)
+
+    def _reserve(self, ckpt: Checkpoint, tier_name: str) -> Reservation:
+        chain = ckpt.chain
+        return self._require_open().reserve(
+            ckpt.key,
+            tier_name,
+            encoded_size(ckpt),
+            model=ckpt.model,
+            tokens=len(ckpt.tokens),
+            text_bytes=len(ckpt.rendered),
+            save_reason=ckpt.save_reason,
+            memory=ckpt.memory,
+            frontier=ckpt.frontier_tokens,
+            blocks=chain.keys if chain is not None else (),
+            block_size=chain.block_size if chain is not None else 0,
+        )
+
+    def _write_blocks(self, tier: Tier, keys: tuple[bytes, ...], payloads: dict[bytes, bytearray],
+                      claim_ok: Callable[[], bool]) -> None:
+        """Store the blocks no published row has in place yet, before the row that names them. A block is
+        content-addressed, so a writer racing another over the same block writes the same bytes."""
+        index = self._require_open()
+        for key in keys:
+            index.settle(bytes((TIER_RANK[tier.name],)) + key)  # a deletion of its last copy is done first
+            if tier.put(key.hex(), blocks.encode_block(key, payloads[key]), claim_ok, block=True) is None:
+                raise TierWriteError(tier.name, 0, "reservation lost while writing its blocks")
 
     def _mirror(self, ckpt: Checkpoint) -> None:
         """Queue a copy of a published checkpoint to the remote tier behind the saves, off every request's
@@ -517,8 +593,11 @@ class CacheStore:
             assert row.location is not None
             ckpt = decode(self._tiers[row.tier].read(row.location))
             ckpt.check_key()
-            if ckpt.key != row.key or len(ckpt.tokens) != row.tokens:
+            chain = ckpt.chain
+            if ckpt.key != row.key or len(ckpt.tokens) != row.tokens or (chain.keys if chain else ()) != row.blocks:
                 raise CorruptCheckpoint("checkpoint does not match its index row")
+            if chain is not None:
+                ckpt = blocks.assemble(ckpt, self._read_blocks(row))
         except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
             log.warning("dropping cache row %s (%s): %s", row.key.hex(), row.tier, e)
             try:
@@ -530,6 +609,32 @@ class CacheStore:
                 self.counters.count("corrupt_files")
             return None
         return ckpt
+
+    def _read_blocks(self, row: Row) -> list[memoryview]:
+        """The verified payloads of a row's blocks, read into this thread's reused buffer. A block that is
+        missing or fails verification is counted and marked for the next save that names it to write again;
+        the row is not assembled (CorruptCheckpoint)."""
+        tier = self._tiers[row.tier]
+        size = len(row.blocks) * row.block_size if isinstance(tier, FileTier) else 0  # ram maps are read in place
+        buf = memoryview(thread_buffer(_read_buffers, size))
+        if isinstance(tier, FileTier):
+            tier.prefetch([tier.block_location(key.hex()) for key in row.blocks])
+        payloads = []
+        for i, key in enumerate(row.blocks):
+            location = tier.block_location(key.hex())
+            try:
+                if isinstance(tier, FileTier):
+                    view = buf[i * row.block_size : (i + 1) * row.block_size]
+                    view = view[: tier.read_into(location, view)]
+                else:
+                    view = tier.read(location)
+                payloads.append(blocks.decode_block(view, key))
+            except (CorruptCheckpoint, OSError, KeyError) as e:
+                self.counters.count("corrupt_blocks")
+                with contextlib.suppress(IndexWriteError):
+                    self._require_open().block_corrupt(row.tier, key)
+                raise CorruptCheckpoint(f"block {i} of {len(row.blocks)}: {e}") from e
+        return payloads
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -567,6 +672,7 @@ class CacheStore:
         rows.sort(key=lambda r: r.last_used_ns, reverse=True)
         return [
             {
+                **self._sharing(r),
                 "key": r.key.hex(),
                 "model": r.model,
                 "tier": r.tier,
@@ -586,14 +692,28 @@ class CacheStore:
             for r in rows
         ]
 
+    def _sharing(self, row: Row) -> dict:
+        """A row's blocks, the bytes only it holds (its own file and the blocks no other row names) and the
+        bytes of blocks it shares with other rows."""
+        refs = self._require_open().block_refs(row.tier, row.blocks)
+        own = sum(1 for n in refs if n == 1) * row.block_size
+        return {"blocks": len(row.blocks), "own_bytes": row.size + own,
+                "shared_bytes": (len(refs) * row.block_size) - own}
+
     def stats(self) -> dict:
-        """The contract's `cache stats` shape: counters, per-tier bytes/quota/rows (reserved included), and
-        the remote tier's status (None without one)."""
+        """The contract's `cache stats` shape: counters; per tier bytes (= stored_bytes, what the tier holds),
+        quota, rows (reserved included), logical_bytes (what the rows would take with no block shared) and
+        their ratio; and the remote tier's status (None without one)."""
         index = self._require_open()
+        logical = dict.fromkeys(self._tiers, 0)
+        for row in index.rows():
+            logical[row.tier] = logical.get(row.tier, 0) + row.stored_bytes
         tiers = {}
         for name, tier in self._tiers.items():
             used, rows = index.usage(name)
-            tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows}
+            ratio = logical[name] / used if used else 1.0
+            tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows, "stored_bytes": used,
+                           "logical_bytes": logical[name], "dedup_ratio": ratio}
         remote = self.remote.stats() if self.remote is not None else None
         return {"counters": self.counters.snapshot(), "tiers": tiers, REDIS_TIER: remote}
 
@@ -629,9 +749,33 @@ class CacheStore:
         stored = {name: tier.scan() for name, tier in self._tiers.items()}
         problems = index.check()
         problems += [p for r in rows if (p := self._row_problem(r, stored, in_flight)) is not None]
+        block_files = self._block_problems(stored, problems, bool(in_flight))
         for name, tier in self._tiers.items():
-            problems += self._tier_problems(tier, [r for r in rows if r.tier == name], stored[name], in_flight)
+            rest = {loc: n for loc, n in stored[name].items() if loc not in block_files}
+            problems += self._tier_problems(tier, [r for r in rows if r.tier == name], rest, in_flight)
+            if not in_flight and tier.used != sum(stored[name].values()):
+                problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored[name].values())}")
         return problems
+
+    def _block_problems(self, stored: dict[str, dict[str, int]], problems: list[str], busy: bool) -> set[str]:
+        """Block files against block entries: each entry in place (once written), of its size; no block file
+        without an entry (unless saves are in flight). Returns the locations of every block file."""
+        entries = {}
+        for bid, (_, size, written) in self._require_open().blocks().items():
+            tier = self._tiers[TIER_NAMES[bid[0]]]
+            entries[(tier.name, tier.block_location(bid[1:].hex()))] = (size, written)
+        files = set()
+        for name, found in stored.items():
+            for location in found:
+                if location.endswith(BLOCK_SUFFIX):
+                    files.add(location)
+                    if (name, location) not in entries and not busy:
+                        problems.append(f"{name}: block {location} is named by no row")
+        for (name, location), (size, written) in sorted(entries.items()):
+            n = stored[name].get(location)
+            if (written or n is not None) and n != size and not (busy and n is None):
+                problems.append(f"{name}: block {location} is {n} bytes, its entry says {size}")
+        return files
 
     def _row_problem(self, r: Row, stored: dict[str, dict[str, int]], in_flight: set[str]) -> str | None:
         name = r.key.hex()
@@ -657,9 +801,6 @@ class CacheStore:
         for location in sorted(stored.keys() - indexed):
             if Path(location).stem not in in_flight:
                 problems.append(f"{name}: payload {location} has no row")
-        if not in_flight:
-            if tier.used != sum(stored.values()):
-                problems.append(f"{name}: tier counts {tier.used} bytes, holds {sum(stored.values())}")
-            if isinstance(tier, FileTier) and tier.temps():
-                problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
+        if not in_flight and isinstance(tier, FileTier) and tier.temps():
+            problems.append(f"{name}: temp files with no save in flight: {tier.temps()}")
         return problems

@@ -29,7 +29,8 @@ from .errors import StoreLocked, TierWriteError
 fault_hook: Callable[[str], None] | None = None
 
 _SUFFIX = ".kvc"
-_PUBLISHED = re.compile(r"^[0-9a-f]{64}\.kvc$")
+BLOCK_SUFFIX = ".kvb"
+_PUBLISHED = re.compile(r"^[0-9a-f]{64}\.kv[cb]$")
 _TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 
@@ -46,7 +47,7 @@ def _nbytes(parts: Iterable[Buffer]) -> int:
 _read_buffers = threading.local()
 
 
-def _unexported(buf: bytearray) -> bool:
+def unexported(buf: bytearray) -> bool:
     """Whether no view of buf is alive: only then may it be resized, which this tries."""
     try:
         buf.append(0)
@@ -54,6 +55,18 @@ def _unexported(buf: bytearray) -> bool:
     except BufferError:
         return False
     return True
+
+
+def thread_buffer(slot: threading.local, size: int) -> bytearray:
+    """The calling thread's buffer kept in `slot`, grown to at least `size` bytes and reused while no view of
+    it is alive (a fresh one otherwise, so earlier views stay intact): zero-filling a fresh buffer of tens of
+    megabytes per read would cost more than the read."""
+    buf = getattr(slot, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = slot.buf = bytearray(size)
+    elif not unexported(buf):
+        buf = bytearray(size)
+    return buf
 
 
 class Tier(ABC):
@@ -93,8 +106,11 @@ class Tier(ABC):
             self.used -= self._sizes.pop(location, 0)
 
     @abstractmethod
-    def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
-        """Store a payload under `name`; None when `claim_ok` says the reservation was lost."""
+    def put(
+        self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None, *, block: bool = False
+    ) -> str | None:
+        """Store a payload (a row's, or with `block` a block's) under `name`; None when `claim_ok` says the
+        reservation was lost."""
 
     @abstractmethod
     def read(self, location: str) -> bytearray | memoryview:
@@ -112,6 +128,10 @@ class Tier(ABC):
     def scan(self) -> dict[str, int]:
         """Every published payload: location -> size."""
 
+    def block_location(self, name: str) -> str:
+        """Where a block named `name` (its key hex) is stored."""
+        return f"{name}{BLOCK_SUFFIX}"
+
     def exists(self, location: str) -> bool:
         """Whether a payload is stored at the location."""
         return self.size(location) is not None
@@ -126,8 +146,11 @@ class RamTier(Tier):
         super().__init__(name, quota)
         self._maps: dict[str, tuple[mmap.mmap, int]] = {}
 
-    def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
-        """Copy the parts into a fresh anonymous map; the location is the name."""
+    def put(
+        self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None, *, block: bool = False
+    ) -> str | None:
+        """Copy the parts into a fresh anonymous map; the location is the name (a block's, with its suffix)."""
+        name = self.block_location(name) if block else name
         n = _nbytes(parts)
         self._claim_bytes(n)
         m = None
@@ -211,7 +234,8 @@ def _write_all(fd: int, parts: list[Buffer], tier: str) -> None:
 
 
 class FileTier(Tier):
-    """Payloads as files `<key hex>.kvc` in one private directory (0700, files 0600)."""
+    """Payloads as files `<key hex>.kvc` (rows) and `<key hex>.kvb` (blocks) in one private directory (0700,
+    files 0600)."""
 
     persistent = True
 
@@ -245,6 +269,9 @@ class FileTier(Tier):
         """Where a payload named `name` (its key hex) is published."""
         return f"{self._prefix}{name}{_SUFFIX}"
 
+    def block_location(self, name: str) -> str:
+        return f"{self._prefix}{name}{BLOCK_SUFFIX}"
+
     def location_parts(self) -> tuple[str, str]:
         """What comes before and after a payload's name in its location."""
         return self._prefix, _SUFFIX
@@ -255,7 +282,9 @@ class FileTier(Tier):
             raise ValueError(f"tier {self.name}: {location} is not a location of this tier")
         return location
 
-    def publish(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool]) -> str | None:
+    def publish(
+        self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool], *, block: bool = False
+    ) -> str | None:
         """Crash-safe publish: temp file, fdatasync, confirm the claim, rename into place, fsync the dir.
 
         A crash at any point leaves either no published file or a complete, durable one; temp files
@@ -265,7 +294,7 @@ class FileTier(Tier):
         n = _nbytes(parts)
         self._claim_bytes(n)
         tmp = self.root / f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        final = Path(self.location_for(name))
+        final = Path(self.block_location(name) if block else self.location_for(name))
         moved = published = False
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -292,9 +321,11 @@ class FileTier(Tier):
             self.used -= replaced
         return str(final)
 
-    def put(self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None) -> str | None:
+    def put(
+        self, name: str, parts: list[Buffer], claim_ok: Callable[[], bool] | None = None, *, block: bool = False
+    ) -> str | None:
         """`publish`, with a claim that always holds when none is given."""
-        return self.publish(name, parts, claim_ok or (lambda: True))
+        return self.publish(name, parts, claim_ok or (lambda: True), block=block)
 
     def read(self, location: str) -> memoryview:
         """The whole file, read into this thread's reusable buffer (no intermediate copies).
@@ -305,12 +336,7 @@ class FileTier(Tier):
         path = self._check_location(location)
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            buf = getattr(_read_buffers, "buf", None)
-            if buf is None or len(buf) < size:
-                buf = _read_buffers.buf = bytearray(size)
-            elif not _unexported(buf):
-                buf = bytearray(size)  # an earlier read's views are still in use: leave them intact
-            view = memoryview(buf)[:size]
+            view = memoryview(thread_buffer(_read_buffers, size))[:size]
             got = 0
             while got < size:
                 n = f.readinto(view[got:])
@@ -318,6 +344,31 @@ class FileTier(Tier):
                     raise OSError(errno.EIO, f"{path} shrank while being read")
                 got += n
         return view
+
+    def prefetch(self, locations: list[str]) -> None:
+        """Ask the kernel to start reading these files now, all at once (best effort): a row's blocks are many
+        files, and read one after the other from a cold page cache each would wait for its own I/O."""
+        for location in locations:
+            with contextlib.suppress(OSError, ValueError):
+                fd = os.open(self._check_location(location), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    def read_into(self, location: str, out: memoryview) -> int:
+        """Read a whole file into `out` (at least its size); returns its size."""
+        with open(self._check_location(location), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > len(out):
+                raise OSError(errno.EIO, f"{location} is {size} bytes, more than the {len(out)} expected")
+            got = 0
+            while got < size:
+                n = f.readinto(out[got:size])
+                if not n:
+                    raise OSError(errno.EIO, f"{location} shrank while being read")
+                got += n
+        return size
 
     def delete(self, location: str) -> None:
         """Unlink the file (the index has already committed its removal)."""

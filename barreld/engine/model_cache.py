@@ -63,22 +63,29 @@ class Payload:
     logits: np.ndarray | None
 
 
-def state_cutter(backend: Backend, memory: Memory) -> Callable[[bytearray, int], StateBytes] | None:
-    """For full attention, a cut of a read state to its first k tokens (byte for byte the state llama.cpp
-    writes for that prefix), once a real state has passed the cache core's self-check at load; None for a
-    memory that cannot be cut, or a layout the cache core does not know (whole states are stored then)."""
-    if not memory.cuts_states:
+def state_shape(backend: Backend, memory: Memory) -> stateformat.StateShape | None:
+    """The model's state shape, once a real state has passed the cache core's self-check at load (taken apart
+    and assembled again, byte for byte); None for a memory with no full-attention cells, or a layout the cache
+    core does not know (then states are neither cut nor stored as blocks, only whole)."""
+    if memory.kind is MemoryKind.RECURRENT:
         return None
     tokens = backend.tokenize(b"Barrel checks the layout of this model's states.")[:16]
     backend.decode([BatchItem(t, i, 0, False) for i, t in enumerate(tokens)])
     try:
         spec = stateformat.StateSpec.for_memory(memory.kind, backend.mrope)
-        shape = stateformat.self_check(backend.state_get(0), spec)
+        return stateformat.self_check(backend.state_get(0), spec)
     except stateformat.StateFormatError as exc:
         log.warning("this llama.cpp writes states the cache core cannot read (%s); whole states are stored", exc)
         return None
     finally:
         backend.seq_rm(0, 0, -1)
+
+
+def state_cutter(shape: stateformat.StateShape | None, memory: Memory) -> Callable[[bytearray, int], StateBytes] | None:
+    """For full attention, a cut of a read state to its first k tokens (byte for byte the state llama.cpp
+    writes for that prefix); None for a memory that cannot be cut, or a layout the cache core does not know."""
+    if shape is None or not memory.cuts_states:
+        return None
     return lambda state, k: stateformat.cut(stateformat.parse(state, shape), k)
 
 
@@ -99,6 +106,7 @@ class ModelCache:
         memory: Memory,
         pos_range: Callable[[int], tuple[int, int]],
         cut_state: Callable[[bytearray, int], StateBytes] | None = None,
+        block_shape: stateformat.StateShape | None = None,
         fingerprint: bytes = b"",
         quant: str = "",
         ctx_params: bytes = b"",
@@ -107,6 +115,7 @@ class ModelCache:
         self.read_state = read_state
         self.pos_range = pos_range
         self.cut_state = cut_state
+        self.block_shape = block_shape  # given: the store keeps this model's checkpoints as blocks
         self.scheme = scheme
         self.model = model
         self.tier = tier
@@ -381,6 +390,7 @@ class ModelCache:
             logits_at=None if logits is None else payload.frontier,
             frontier=payload.frontier,
             memory=str(self.memory.kind),
+            layout=self.block_shape,
         )
 
     def _prefixes(self, seq: Sequence, rendered: bytes, frontier: int) -> list[tuple[bytes, int]]:

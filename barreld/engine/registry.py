@@ -14,7 +14,7 @@ from barreld.cache.policy import Policy
 from barreld.engine.backend import Backend, BackendFactory, ContextSettings, ModelLoadError
 from barreld.engine.llama_backend import LlamaBackend
 from barreld.engine.memory import Memory
-from barreld.engine.model_cache import ModelCache, state_cutter
+from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, MemoryKind, model_name_problem
@@ -134,8 +134,11 @@ class ModelRegistry:
         base_policy: Policy,
         max_queue: int | None = None,
         backend_factory: BackendFactory = LlamaBackend,
+        *,
+        blocks_required: bool = False,
     ) -> None:
         self.store = store
+        self.blocks_required = blocks_required  # block_tokens set by the operator: a model it does not fit fails
         self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.base_policy = base_policy
         self.backend_factory = backend_factory
@@ -216,6 +219,7 @@ class ModelRegistry:
             flash_attn=opts.flash_attn,
             swa_full=opts.swa_full is not False,
         )
+        blocks = self._blocks_fit(name, policy, policy.chunk_size(opts.n_batch) or opts.n_batch)
         try:
             fingerprint = self._fingerprint(path, opts.fingerprint)
             backend = self.backend_factory(path, settings)
@@ -224,6 +228,8 @@ class ModelRegistry:
         memory = model_memory(backend, policy.chunk_size(opts.n_batch) or opts.n_batch)
         quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
         ctx_bytes = context_params(settings, backend, memory).encode()
+        shape = state_shape(backend, memory)
+        block_shape = shape if blocks and shape is not None and shape.kv is not None else None
         cache = ModelCache(
             self.store,
             KeyScheme(fingerprint=fingerprint, quant=quant, ctx_params=ctx_bytes),
@@ -233,13 +239,31 @@ class ModelRegistry:
             backend.state_get,
             memory=memory,
             pos_range=backend.seq_pos_range,
-            cut_state=state_cutter(backend, memory),
+            cut_state=state_cutter(shape, memory),
+            block_shape=block_shape,
             fingerprint=fingerprint,
             quant=quant,
             ctx_params=ctx_bytes,
         )
         worker = ModelWorker(name, backend, cache, max_queue=self.max_queue)
         return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers)
+
+    def _blocks_fit(self, name: str, policy: Policy, chunk: int) -> bool:
+        """Whether the store keeps this model's checkpoints as blocks. Blocks must start where the prefill's
+        chunks start (with flash attention, or repacked weights, a cell's KV depends on where its batch
+        split) and cold saves must end on them: block_tokens must be a multiple of the chunk size and divide
+        boundary_align_tokens. Refused with one clear error when the operator set block_tokens; when it is
+        the default, one log line says why this model stores whole states."""
+        size = self.store.block_tokens if self.store is not None else 0
+        align = policy.boundary_align_tokens
+        if not size or (size % chunk == 0 and align % size == 0):
+            return bool(size)
+        why = (f"cache.block_tokens = {size} must be a multiple of the prefill chunk size ({chunk}) and "
+               f"divide policy boundary_align_tokens ({align})")
+        if self.blocks_required:
+            raise InvalidArgument(f"cannot load {name!r}: {why}")
+        log.warning("%s: %s; its checkpoints are stored as whole states", name, why)
+        return False
 
     @staticmethod
     def _fingerprint(path: Path, mode: str) -> bytes:

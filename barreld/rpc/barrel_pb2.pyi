@@ -235,7 +235,7 @@ class ListModelsReply(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CacheRow(_message.Message):
-    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location", "memory", "frontier")
+    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location", "memory", "frontier", "blocks", "own_bytes", "shared_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,9 @@ class CacheRow(_message.Message):
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     FRONTIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: str
     model: str
     tier: str
@@ -266,7 +269,10 @@ class CacheRow(_message.Message):
     location: str
     memory: str
     frontier: int
-    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ..., memory: _Optional[str] = ..., frontier: _Optional[int] = ...) -> None: ...
+    blocks: int
+    own_bytes: int
+    shared_bytes: int
+    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ..., memory: _Optional[str] = ..., frontier: _Optional[int] = ..., blocks: _Optional[int] = ..., own_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
 
 class CacheDumpRequest(_message.Message):
     __slots__ = ("model", "tier")
@@ -283,14 +289,20 @@ class CacheDumpReply(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[CacheRow, _Mapping]]] = ...) -> None: ...
 
 class TierUsage(_message.Message):
-    __slots__ = ("bytes", "quota", "rows")
+    __slots__ = ("bytes", "quota", "rows", "stored_bytes", "logical_bytes", "dedup_ratio")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     QUOTA_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_RATIO_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     quota: int
     rows: int
-    def __init__(self, bytes: _Optional[int] = ..., quota: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    stored_bytes: int
+    logical_bytes: int
+    dedup_ratio: float
+    def __init__(self, bytes: _Optional[int] = ..., quota: _Optional[int] = ..., rows: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., dedup_ratio: _Optional[float] = ...) -> None: ...
 
 class CacheStatsRequest(_message.Message):
     __slots__ = ()

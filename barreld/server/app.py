@@ -46,7 +46,8 @@ class Daemon:
         self.http = self._bind_http(group)
         self.signal.install()
         self.store = self._open_store()
-        self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue)
+        self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue,
+                                      blocks_required=self.config.block_tokens is not None)
         self.scheduler = self._start_scheduler()
         metrics = Metrics(self.store, self.registry.models)
         self.servicer = Servicer(
@@ -91,9 +92,12 @@ class Daemon:
     def _open_store(self):
         from barreld.cache import CacheStore
         from barreld.cache import TierConfig as StoreTier
+        from barreld.cache.blocks import DEFAULT_BLOCK_TOKENS
 
         tiers = {name: StoreTier(quota=t.quota, root=t.root) for name, t in self.config.tiers.items()}
         kwargs = {"writers": self.config.writers} if self.config.writers else {}
+        block_tokens = self.config.block_tokens
+        kwargs["block_tokens"] = DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens
         try:
             store = CacheStore(self.data_dir, tiers, remote=self._open_remote(), **kwargs)
             store.open()

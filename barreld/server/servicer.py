@@ -271,7 +271,7 @@ class Servicer(pb_grpc.BarrelServicer):
         return pb.CacheStatsReply(
             counters=stats["counters"],
             tiers={
-                name: pb.TierUsage(bytes=t["bytes"], quota=t["quota"], rows=t["rows"])
+                name: pb.TierUsage(**t)
                 for name, t in stats["tiers"].items()
             },
             redis_json=json.dumps(stats[REDIS_TIER]) if stats[REDIS_TIER] is not None else "",

@@ -1,6 +1,7 @@
 """A separate process for the crash and restart tests. Run as a script:
 
-child.py loop  DATA RF_ROOT SEED         save forever (async and sync, every tier), gc, evict, restore;
+child.py loop  DATA RF_ROOT SEED         save forever (async and sync, every tier, whole states and chains of
+                                        blocks sharing prefixes), gc, evict, restore;
                                         prints "open", then "pub <tier> <key hex>" per acknowledged sync
                                         save and "gc" before each gc. The parent SIGKILLs it.
 child.py save  DATA RF_ROOT close|exit   save one checkpoint per tier, print "<tier> <key hex>", then
@@ -18,13 +19,16 @@ import signal
 import sys
 from pathlib import Path
 
-from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig
+from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig, stateformat
 from barreld.names import MEMORY_TIERS, TIER_NAMES
+from tests.cache import synthstate
 
 SCHEME = KeyScheme(b"\x42" * 32, "Q8_0", CtxParams(1, 1, 1, True, 10000.0, 1.0, True, False).encode())
 DISK_QUOTA = 1 << 20
 RAM_FILE_QUOTA = 48 << 10
 DISK_SAVES_PER_LIFE = 60  # at most ~210 KB: a life never fills the disk tier the parent keeps under 40%
+BLOCK_TOKENS = 8
+LAYERS = (synthstate.Layer(1, 16, 1, 16),)
 
 
 def open_store(data: str, rf_root: str) -> CacheStore:
@@ -37,6 +41,7 @@ def open_store(data: str, rf_root: str) -> CacheStore:
         },
         writers=2,
         queue_size=4,
+        block_tokens=BLOCK_TOKENS,
     ).open()
 
 
@@ -53,6 +58,20 @@ def checkpoint(rendered: bytes, state: bytes) -> Checkpoint:
     )
 
 
+def chained(rendered: bytes, rng: random.Random) -> Checkpoint:
+    """A checkpoint stored as blocks: its KV depends on the position only and its tokens share a prefix with
+    many others (they differ from a random point on), so rows share some blocks and not others."""
+    n = rng.randrange(BLOCK_TOKENS, 60)
+    fork = rng.randrange(0, n)
+    tokens = list(range(fork)) + [rng.randrange(3) for _ in range(n - fork)]
+    kv = synthstate.Kv("attention", 1, False, 0, LAYERS, tuple(range(n)), 5)
+    state = synthstate.build(0, [kv]).data
+    ckpt = Checkpoint.build(SCHEME, "crash-model", rendered, tokens, "cold", state, logits=bytes(8),
+                            prefixes=[(SCHEME.key(rendered[:-1]), n - 1)])
+    ckpt.layout = stateformat.parse(state, stateformat.StateSpec.for_memory("full")).shape
+    return ckpt
+
+
 def loop(data: str, rf_root: str, seed: int) -> None:
     store = open_store(data, rf_root)
     print("open", flush=True)
@@ -61,7 +80,11 @@ def loop(data: str, rf_root: str, seed: int) -> None:
     for i in range(1, 1 << 30):
         tiers = TIER_NAMES if disk_saves < DISK_SAVES_PER_LIFE else MEMORY_TIERS
         tier = rng.choice(tiers)
-        ckpt = checkpoint(f"{seed}:{i}".encode(), rng.randbytes(rng.randrange(64, 3000)))
+        rendered = f"{seed}:{i}".encode()
+        if rng.random() < 0.5:
+            ckpt = chained(rendered, rng)
+        else:
+            ckpt = checkpoint(rendered, rng.randbytes(rng.randrange(64, 3000)))
         r = rng.random()
         if r < 0.03:
             print("gc", flush=True)

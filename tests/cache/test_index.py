@@ -371,7 +371,7 @@ def test_a_format_1_index_is_read_with_one_log_line(
     with caplog.at_level(logging.INFO, logger="barreld.cache"):
         store = stores()
     lines = [r.getMessage() for r in caplog.records if "format" in r.getMessage()]
-    assert lines == ["the cache index is in format 1: 20 rows rewritten in format 2, 1 dropped (a file whose "
+    assert lines == ["the cache index is in format 1: 20 rows rewritten in format 3, 1 dropped (a file whose "
                      "row is gone is verified and adopted at open)"]
     assert store.dump() == before  # every field, and the LRU order, as before
     hit = store.lookup(SHARED)
@@ -405,7 +405,7 @@ def test_an_unknown_index_format_is_dropped_and_its_files_adopted(
         store, stores, caplog, lambda txn, index: txn.put(b"format", (99).to_bytes(4, "little"), db=index._meta)
     )
     assert logged == [
-        "the cache index is in format 99, which this version cannot read: 0 rows rewritten in format 2, 5 "
+        "the cache index is in format 99, which this version cannot read: 0 rows rewritten in format 3, 5 "
         "dropped (a file whose row is gone is verified and adopted at open)"
     ]
     assert store.last_reconcile is not None and store.last_reconcile.adopted == 5
@@ -418,7 +418,7 @@ def test_an_unreadable_row_is_dropped_never_misread(stores: Stores, caplog: pyte
 
     def new_row_format(txn: lmdb.Transaction, index: Index) -> None:  # a format this version never wrote
         raw = txn.get(ckpt(1).key, db=index._rows)
-        txn.put(ckpt(1).key, bytes([3]) + raw[1:], db=index._rows)
+        txn.put(ckpt(1).key, bytes([9]) + raw[1:], db=index._rows)
 
     store, logged = _tamper_and_reopen(store, stores, caplog, new_row_format)
     assert logged == ["the cache index held 1 unreadable rows: 1 dropped, 3 kept"]

@@ -203,3 +203,30 @@ def test_bundled_model_fingerprints() -> None:
     assert len(chunked) == 32
     assert chunked != fingerprint_gguf(path, "safe")
     assert chunked == fingerprint_gguf(path, "gguf_chunked")
+
+
+# A block key's layout, pinned like the checkpoint key's: a change to it must fail here.
+GOLDEN_BLOCKS = (
+    ((1, 2, 3), "8bc4c95f73852fe6dcb81d294f91347ff87e6d48657ca0ced975bcab43d63165"),
+    ((4, 5, 6, 7), "3992830da9258ff51b12c904047bf59c8e3fca977f55f89b8df11c0bb50aa806"),
+)
+
+
+def test_block_key_golden_chain() -> None:
+    parent = bytes(32)
+    for tokens, want in GOLDEN_BLOCKS:
+        parent = SCHEME.block_key(parent, tokens)
+        assert parent.hex() == want
+    assert SCHEME.block_keys([1, 2, 3, 4, 5, 6], 3, 2)[0].hex() == GOLDEN_BLOCKS[0][1]
+
+
+def test_block_key_layout_is_the_documented_one() -> None:
+    parent = bytes(range(100, 132))
+    layout = (b"BRLBLK\0\1" + bytes(range(32)) + b"Q4_1" + b"\0" * 12 + struct.pack("<I", 40) + CTX.encode()
+              + parent + struct.pack("<I", 2) + struct.pack("<ii", 7, -1))
+    assert SCHEME.block_key(parent, [7, -1]) == hashlib.sha256(layout).digest()
+    # The parent, the tokens, their count and the scheme each change it; a row key never equals it.
+    assert len({SCHEME.block_key(parent, [7]), SCHEME.block_key(bytes(32), [7, -1]), SCHEME.block_key(parent, [7, -1]),
+                KeyScheme(bytes(32), "Q4_1", CTX.encode()).block_key(parent, [7, -1])}) == 4
+    with pytest.raises(ValueError, match="32 bytes"):
+        SCHEME.block_key(b"short", [1])

@@ -187,6 +187,9 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
             "location",
             "memory",
             "frontier",
+            "blocks",
+            "own_bytes",
+            "shared_bytes",
         }
     ] * 2
     by_tier = {r["tier"]: r for r in rows}
@@ -196,7 +199,10 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
     assert store.dump(tier="ram") == [by_tier["ram"]] and store.dump(model="nope") == []
     stats = store.stats()
     assert set(stats) == {"counters", "tiers", "redis"} and stats["redis"] is None  # no remote tier here
-    assert stats["tiers"]["disk"] == {"bytes": by_tier["disk"]["size"], "quota": 1 << 20, "rows": 1}
+    size = by_tier["disk"]["size"]
+    assert by_tier["disk"]["own_bytes"] == size and by_tier["disk"]["shared_bytes"] == by_tier["disk"]["blocks"] == 0
+    assert stats["tiers"]["disk"] == {"bytes": size, "quota": 1 << 20, "rows": 1, "stored_bytes": size,
+                                      "logical_bytes": size, "dedup_ratio": 1.0}
     contract = [
         "hits_exact",
         "hits_resume",

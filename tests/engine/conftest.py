@@ -177,10 +177,10 @@ class WatchedStore(CacheStore):
             self.futures.append(outcome.future)
         return outcome
 
-    def _publish(self, ckpt: Checkpoint, tier_name: str, size: int) -> SaveOutcome:
+    def _publish(self, ckpt: Checkpoint, tier_name: str) -> SaveOutcome:
         if not self.publishing.wait(EVENT_TIMEOUT):
             raise AssertionError("publishing held too long; a test forgot to set it")
-        return super()._publish(ckpt, tier_name, size)
+        return super()._publish(ckpt, tier_name)
 
     def settle(self) -> None:
         for fut in list(self.futures):

@@ -1,6 +1,8 @@
 """Part 2: damaged checkpoint files. Flipped bits, truncation, a file swapped for another key's file, a
 zero-length file and a row whose file vanished are each detected (at restore, at start, or by `cache
-verify`), dropped, counted in `corrupt_files`, and never restored: the reply equals the cold reply."""
+verify`), dropped, counted in `corrupt_files`, and never restored: the reply equals the cold reply. The same
+for the blocks rows share: a corrupt shared block makes every row naming it miss, a missing one drops its
+rows at start."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from . import util
 from .util import complete, counters, doc, rows
 
 # One checkpoint per prompt (its finish save), so damaging that one file leaves nothing warm to fall back to.
-POLICY = util.ONE_SAVE_POLICY
+POLICY = util.ONE_SAVE_POLICY + util.BLOCKS
 MAX_TOKENS = 10
 FLUSH = b"Zebras flush the live sequence."  # under min_tokens: it saves nothing
 
@@ -141,3 +143,50 @@ def test_damage_found_at_start_is_dropped_counted_and_replies_stay_cold() -> Non
         util.wait_for(lambda: counters(s)["saves_finish"] >= len(kinds), what="saves")
         util.assert_consistent(w, s)
         print(f"\ncorruption at start: {at_start} detected at start, {total - at_start} at restore; {report.group(1)}")
+
+
+def block_files(w: Sandbox) -> dict[str, Path]:
+    return {p.stem: p for p in (w.data_dir / "kvc").glob("*.kvb")}
+
+
+def test_a_corrupt_shared_block_and_a_missing_block_leave_replies_cold() -> None:
+    """Two prompts share their first blocks. One flipped bit in the first block makes both rows fail (each
+    counted) and miss, with the first replies; their re-runs store the block again and both restore warm. A
+    block deleted while the daemon is down drops, at start, the rows that name it."""
+    with Sandbox.new(POLICY + util.model_config()) as w:
+        proc = util.start(w)
+        s = w.client()
+        head = doc(700, 330)
+        prompts = [head + b" And what of the harbour?", head + b" Tell me about the lantern."]
+        firsts = []
+        for prompt in prompts:  # the second restores the first's checkpoint by its prefix: the reply is exact
+            firsts.append(complete(s, prompt, MAX_TOKENS))
+            complete(s, FLUSH, 2)
+        util.wait_for(lambda: {f.key for f in firsts} <= {r.key for r in rows(s) if r.status == "available"},
+                      what="the finish saves")
+        named = {r.key: r.blocks for r in rows(s)}
+        assert all(named[f.key] >= 2 for f in firsts), named
+        first_block = sorted(block_files(w).values(), key=lambda p: p.stat().st_mtime_ns)[0]
+        flip(lambda n: n // 2)(first_block)
+        v = w.ctl("--no-autostart", "--json", "cache", "verify")
+        assert v.rc == 0 and sorted(v.json()["bad"]) == sorted(f.key for f in firsts), v.out
+        assert counters(s)["corrupt_blocks"] == 2 and counters(s)["corrupt_files"] == 2
+
+        def again(route: str) -> None:
+            for i, (prompt, first) in enumerate(zip(prompts, firsts, strict=True)):
+                got = complete(s, prompt, MAX_TOKENS)
+                # after a miss the first's new checkpoint may serve the second by its prefix
+                assert got.text == first.text and (got.route == route or route == "miss" and i), (route, got.route)
+                complete(s, FLUSH, 2)
+            util.wait_for(lambda: len([r for r in rows(s) if r.status == "available"]) == 2, what="the re-saves")
+
+        again("miss")
+        again("exact")  # the block was written again by the first re-save: every row naming it is whole
+        util.stop(w, proc)
+        first_block.unlink()
+        log_before = len(w.log_text())
+        util.start(w)
+        report = re.search(r"reconciled the cache at open: (.*)", w.log_text()[log_before:])
+        assert report and "blocks_missing=2" in report.group(1), report
+        again("miss")
+        util.assert_consistent(w, s)

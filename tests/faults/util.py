@@ -18,6 +18,12 @@ from barrelctl.client import Client, Completion
 from barrelctl.sandbox import Sandbox
 from barreld.rpc import barrel_pb2 as pb
 
+# Checkpoints as chains of 128-token blocks (the prefill chunk at n_batch 512), shared between the rows of
+# one prompt and its continuations.
+BLOCKS = """
+[cache]
+block_tokens = 128
+"""
 # Small gates so ~300-token prompts save: cold at 256 tokens, continued every 8 generated, finish.
 POLICY = """
 [policy]
@@ -26,7 +32,7 @@ cold_min_tokens = 128
 boundary_trim_tokens = 16
 boundary_align_tokens = 128
 continued_interval = 8
-"""
+""" + BLOCKS
 # One checkpoint per prompt (its finish save): no cold or continued saves beside it.
 ONE_SAVE_POLICY = """
 [policy]
@@ -139,5 +145,8 @@ def assert_consistent(w: Sandbox, s: Client, roots: dict[str, Path] | None = Non
     for tier, root in roots.items():
         indexed = {r.key for r in got if r.tier == tier}
         assert set(kvc_files(root)) == indexed, f"{tier}: files without rows or rows without files"
+        blocks = len(list(root.glob("*.kvb"))) if root.exists() else 0
+        named = [r.blocks for r in got if r.tier == tier]
+        assert (blocks > 0) == any(named) and max(named, default=0) <= blocks <= sum(named), (tier, blocks, named)
     assert temp_files(*roots.values()) == []
     return got
