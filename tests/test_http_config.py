@@ -184,3 +184,33 @@ def test_http_over_a_unix_socket_is_owner_only() -> None:
         assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"status": "ok"}
         proc = w.procs[-1]
         assert w.stop(proc) == 0 and not path.exists()
+
+
+def test_streamed_chunks_are_not_held_for_an_ack() -> None:
+    """The server's connections run with TCP_NODELAY, as asyncio sets it on what a listening socket of the TCP
+    protocol accepts: else a token's chunk waits up to 40 ms for the client's delayed ACK of the last one."""
+    import asyncio
+
+    from barreld.http.server import HttpServer
+
+    server = HttpServer(parse_listen("127.0.0.1:0"))
+    server.bind()
+    sock = server._sock
+    assert sock is not None
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        listener = await asyncio.start_server(handle, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.address.port)
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            listener.close()
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) == 1

@@ -51,7 +51,10 @@ class HttpServer:
 
     def _tcp(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.requested.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # Naming the protocol is what makes asyncio set TCP_NODELAY on accepted connections (it checks the
+        # socket's proto, which they inherit): without it a streamed chunk written while the previous one is
+        # unacknowledged waits for the client's delayed ACK, about 40 ms on back-to-back requests.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.requested.host, self.requested.port))
