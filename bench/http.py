@@ -127,11 +127,8 @@ def ttft_section(tok: Tokenizer, pairs: int) -> Table:
               "HTTP - gRPC the median of the pairs' differences. 'Outside the engine' is the median of each "
               "request's client TTFT less the daemon's own `timings_ms.ttft` (from the request reaching the "
               "worker to its first token): the front end's and the transport's share. The worker hands HTTP's events "
-              "straight to the event loop that writes the socket. A request sent on a kept-alive connection at once "
-              "after that connection's previous streamed response waits about 40 ms longer for its first chunk "
-              "(not so after a pause of 50 ms, or on another connection; the daemon's own TTFT is the same): so "
-              "'live', whose pairs put two HTTP requests back to back every other time, shows a gap 'exact' "
-              "does not (its flush request comes between). 'exact' sends an "
+              "straight to the event loop that writes the socket, and the connections run with TCP_NODELAY (without "
+              "it, back-to-back requests on one connection waited about 40 ms for delayed ACKs). 'exact' sends an "
               "unrelated prompt before each request, so that the prompt comes back from the disk tier rather "
               "than from the live sequence.")
     return t
