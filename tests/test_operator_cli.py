@@ -44,6 +44,9 @@ ROW_FIELDS = {
     "last_used": float,
     "created": float,
     "location": (str, type(None)),
+    "blocks": int,  # blocks of KV the row names (0: its file holds the whole state)
+    "own_bytes": int,  # its file and the blocks no other row names
+    "shared_bytes": int,  # the blocks it shares with other rows
 }
 CONTRACT_COUNTERS = (
     "hits_exact hits_resume hits_longest_prefix hits_live misses saves_cold saves_continued saves_finish "
@@ -94,6 +97,15 @@ def settle(w: Sandbox, keys: list[str], timeout: float = 30) -> list[dict]:
             return rows
         assert time.monotonic() < deadline, f"saves did not settle: {rows}"
         time.sleep(0.2)
+
+
+def stats(w: Sandbox) -> dict:
+    return ok(w.ctl("--json", "cache", "stats")).json()
+
+
+def stored(doc: dict) -> int:
+    """Bytes stored in every tier: rows' files and their blocks, each block once."""
+    return sum(t["bytes"] for t in doc["tiers"].values())
 
 
 def one_line(run: Run) -> str:
@@ -156,7 +168,7 @@ def test_dump_human_table(ops: Sandbox) -> None:
     rows = dump(ops)
     wide = ok(ops.ctl("cache", "dump", COLUMNS="200")).out
     assert f"{len(rows)} rows" in wide
-    for heading in ("key", "model", "memory", "tier", "size", "tokens", "reason", "refs", "hits", "last used"):
+    for heading in ("key", "model", "memory", "tier", "own", "shared", "tokens", "reason", "refs", "hits", "last used"):
         assert heading in wide
     for r in rows:
         assert r["key"][:12] in wide
@@ -178,9 +190,12 @@ def test_stats_counts_and_per_tier_bytes_against_quota(ops: Sandbox) -> None:
     assert set(doc_["tiers"]) == set(TIER_NAMES)
     for tier in TIER_NAMES:
         t = doc_["tiers"][tier]
-        assert set(t) == {"bytes", "quota", "rows"}
-        assert t["quota"] == QUOTA[tier]
-        assert t["bytes"] == sum(r["size"] for r in rows if r["tier"] == tier) > 0
+        assert set(t) == {"bytes", "quota", "rows", "stored_bytes", "logical_bytes", "dedup_ratio"}
+        assert t["quota"] == QUOTA[tier] and t["stored_bytes"] == t["bytes"]
+        mine = [r for r in rows if r["tier"] == tier]
+        assert t["logical_bytes"] == sum(r["own_bytes"] + r["shared_bytes"] for r in mine)  # as if none shared
+        assert t["logical_bytes"] >= t["bytes"] >= sum(r["own_bytes"] for r in mine) > 0  # a shared block once
+        assert t["dedup_ratio"] == pytest.approx(t["logical_bytes"] / t["bytes"])
         assert t["rows"] == sum(1 for r in rows if r["tier"] == tier) >= 2
     human = ok(ops.ctl("cache", "stats", COLUMNS="120")).out
     for word in ("tiers", "quota", "used", *TIER_NAMES, "1.0 GiB", "512.0 MiB", "2.0 GiB", "%", "saves_finish", "ms"):
@@ -215,14 +230,14 @@ def test_verify_reports_and_drops_a_corrupted_file(ops: Sandbox) -> None:
 
 @needs_model
 def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: Sandbox) -> None:
-    before = dump(ops)
+    before, before_stats = dump(ops), stats(ops)
     disk = [r for r in before if r["tier"] == "disk" and r["refcount"] == 0]
     assert disk
     lru = min(disk, key=lambda r: r["last_used"])
     reply = ok(ops.ctl("--json", "cache", "evict-bytes", "1K", "--tier", "disk")).json()
     after = dump(ops)
-    assert reply == {"evicted": 1, "bytes_freed": lru["size"]}
-    assert sum(r["size"] for r in before) - sum(r["size"] for r in after) == reply["bytes_freed"]
+    assert reply == {"evicted": 1, "bytes_freed": lru["own_bytes"]}  # its blocks go unless another row names them
+    assert stored(before_stats) - stored(stats(ops)) == reply["bytes_freed"]
     assert [r["key"] for r in after] == [r["key"] for r in before if r["key"] != lru["key"]]
     assert not Path(lru["location"]).exists()
     for r in after:
@@ -232,21 +247,19 @@ def test_evict_bytes_1k_from_disk_frees_its_least_recently_used_row(ops: Sandbox
 
 @needs_model
 def test_evict_bytes_256m_frees_what_it_says_across_tiers(ops: Sandbox) -> None:
-    before = dump(ops)
-    total = sum(r["size"] for r in before)
+    before, total = dump(ops), stored(stats(ops))
     assert 0 < total < 256 << 20   # less than asked for: it frees every unheld row
     reply = ok(ops.ctl("--json", "cache", "evict-bytes", "256M")).json()
     after = dump(ops)
     gone = [r for r in before if r["key"] not in {a["key"] for a in after}]
-    assert reply == {"evicted": len(gone), "bytes_freed": total - sum(r["size"] for r in after)}
-    assert reply["bytes_freed"] == sum(r["size"] for r in gone)
+    assert reply == {"evicted": len(gone), "bytes_freed": total - stored(stats(ops))}
+    assert reply["bytes_freed"] >= sum(r["own_bytes"] for r in gone)
     assert all(r["refcount"] > 0 for r in after)
     assert {r["tier"] for r in gone} == {r["tier"] for r in before} == {"ram", "ram_file"}   # disk: emptied above
     for r in gone:
         if r["location"]:
             assert not Path(r["location"]).exists()
-    stats = ok(ops.ctl("--json", "cache", "stats")).json()["tiers"]
-    assert sum(t["bytes"] for t in stats.values()) == sum(r["size"] for r in after)
+    assert stored(stats(ops)) <= sum(r["own_bytes"] + r["shared_bytes"] for r in after)
     human = ok(ops.ctl("cache", "evict-bytes", "1K")).out
     assert "evicted" in human and "freed" in human
 
