@@ -64,6 +64,7 @@ def test_the_daemon_refuses_bad_model_knobs_itself(served: Sandbox, knobs: dict,
     assert served.client().models() == []
 
 
+@pytest.mark.slow
 def test_shutdown_stops_the_daemon(world: Sandbox) -> None:
     proc = world.start_daemon()
     with world.client() as c:

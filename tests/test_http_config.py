@@ -116,6 +116,7 @@ def test_bad_http_table_is_one_line(tmp_path: Path, text: str, key: str, words: 
     assert info.value.key == key and words in info.value.reason and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_world_readable_keys_file_stops_barreld(tmp_path: Path) -> None:
     with Sandbox.new() as w:
         keys_file(w.base, "sk-one\n", 0o644)
@@ -126,6 +127,7 @@ def test_a_world_readable_keys_file_stops_barreld(tmp_path: Path) -> None:
         assert len(lines) == 1 and "http.api_keys_file" in lines[0] and "chmod 600" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_an_exposed_address_without_keys_exits_1_with_one_line() -> None:
     with Sandbox.new() as w:
         proc = w.start_daemon("--http", "0.0.0.0:0", wait=False)
@@ -151,6 +153,7 @@ def get(url: str, key: str | None = None) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
+@pytest.mark.slow
 def test_an_exposed_address_with_keys_serves_only_bearers_of_a_key() -> None:
     """Bound to every interface (reached here through loopback); daemon status names the bound port."""
     with Sandbox.new() as w:
@@ -169,6 +172,7 @@ def test_an_exposed_address_with_keys_serves_only_bearers_of_a_key() -> None:
         assert get(f"{base}/v1/models", "sk-second") == (200, {"object": "list", "data": []})
 
 
+@pytest.mark.slow
 def test_http_over_a_unix_socket_is_owner_only() -> None:
     with Sandbox.new() as w:
         path = w.base / "run" / "barrel" / "http.sock"

@@ -398,6 +398,7 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
 # ---- systemd readiness ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ready_is_notified_once_the_socket_answers(world: Sandbox) -> None:
     """Type=notify in the unit relies on this: READY=1 on $NOTIFY_SOCKET after the socket is up."""
     notify = world.base / "notify"

@@ -369,6 +369,7 @@ def _bash_complete(env: dict[str, str], *words: str) -> subprocess.CompletedProc
                           env=env, timeout=60)
 
 
+@pytest.mark.slow
 def test_bash_completion_completes_ca_to_cache(barrelctl_on_path: dict[str, str]) -> None:
     p = _bash_complete(barrelctl_on_path, "barrelctl", "ca")
     assert p.returncode == 0, p.stderr
@@ -386,6 +387,7 @@ def test_bash_completion_prints_nothing_on_stderr(barrelctl_on_path: dict[str, s
     assert p.stderr == ""
 
 
+@pytest.mark.slow
 def test_zsh_and_fish_callbacks_answer(barrelctl_on_path: dict[str, str]) -> None:
     """What the zsh and fish scripts run at <Tab>, without needing those shells installed."""
     zsh = subprocess.run(["barrelctl"], capture_output=True, text=True, env={

@@ -18,6 +18,8 @@ from barreld.cache.remote.settings import RedisSettings
 from barreld.cache.remote.tier import RemoteTier
 from tests.cache.conftest import SCHEME, make_ckpt
 
+pytestmark = pytest.mark.slow  # three daemons
+
 
 @pytest.fixture
 def daemon(redis_server: RedisServer) -> Iterator[Sandbox]:

@@ -289,6 +289,7 @@ def test_a_save_takes_over_the_deletion_of_its_keys_old_file(
 # ---- the map grows ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_map_grows_past_its_initial_size_without_a_failed_save(
     stores: Stores, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -21,6 +22,8 @@ from barreld.names import TIER_NAMES, TIER_RANK
 
 from . import synthstate
 from .conftest import SCHEME, make_ckpt
+
+pytestmark = pytest.mark.slow  # hundreds of generated runs
 
 QUOTAS = {"ram": 2600, "ram_file": 3600, "disk": 5000}
 # Encoded sizes (two prefix aliases each) come out near 740, 990, 1630 and 3230 bytes: several fit per
