@@ -122,6 +122,7 @@ def test_a_chat_starts_warm_every_turn_and_resumes_warm(served: Sandbox, tmp_pat
     assert again.leave() == 0
 
 
+@pytest.mark.serial
 def test_ctrl_c_stops_the_reply_in_the_daemon_and_the_session_goes_on(served: Sandbox, tmp_path: Path) -> None:
     term = Terminal(served, "--max-tokens", "300")
     term.child.expect(">>>")

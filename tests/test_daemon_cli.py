@@ -145,6 +145,7 @@ def test_socket_is_private_and_a_second_daemon_is_refused(served: Sandbox) -> No
     assert len(p.stderr.decode().strip().splitlines()) == 1
 
 
+@pytest.mark.serial
 def test_ctrl_c_mid_stream_cancels_in_the_daemon(served: Sandbox) -> None:
     proc = served.ctl_popen("complete", "Write a very long story about a dragon.", "--max-tokens", "2000")
     first = proc.stdout.read(20)
