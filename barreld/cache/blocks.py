@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, wait
 from dataclasses import replace
+from functools import partial
 
 import xxhash
 
@@ -95,12 +98,19 @@ def split(ckpt: Checkpoint, block_tokens: int) -> tuple[Checkpoint, list[tuple[b
     return row, list(zip(keys, pieces.blocks, strict=True))
 
 
-def assemble(row: Checkpoint, payloads: list[memoryview]) -> Checkpoint:
-    """The whole checkpoint from its row and its blocks' verified payloads, in order: the state is assembled
-    once into this thread's reused buffer (valid until the thread's next assembly)."""
+def assemble(row: Checkpoint, load: Callable[[int], memoryview], pool: Executor | None = None,
+             helpers: int = 0) -> Checkpoint:
+    """The whole checkpoint from its row and its blocks, where `load(i)` reads block i and returns its verified
+    payload.
+
+    The state is assembled once into this thread's reused buffer (valid until the thread's next assembly).
+    Each block is loaded and placed straight into it as a task run by this thread and `helpers` threads of
+    `pool`: reading, checksumming and copying all release the GIL, so a row of many blocks restores on several
+    cores, with several reads in flight, where a whole state is one read and one checksum on one. Every task
+    has ended when this returns or raises."""
     chain = row.chain
-    if chain is None or len(payloads) != len(chain.keys):
-        raise CorruptCheckpoint("a row assembled without exactly the blocks it names")
+    if chain is None:
+        raise CorruptCheckpoint("a row assembled without its chain of blocks")
     try:
         shape = stateformat.shape_from_json(chain.shape)
         own = memoryview(row.state).cast("B")
@@ -109,19 +119,51 @@ def assemble(row: Checkpoint, payloads: list[memoryview]) -> Checkpoint:
         for n in cuts:
             parts.append(own[off : off + n])
             off += n
-        size = _assembled_size(shape, payloads, parts)
-        out = thread_buffer(_assembly, size)
-        state = stateformat.assemble(shape, chain.seq_id, [*payloads, parts[0]], parts[1:], out=out)
+        cell = shape.kv.cell_bytes if shape.kv is not None else 0
+        counts = [chain.block_tokens] * len(chain.keys) + [chain.tail // cell if cell else 0]
+        out = thread_buffer(_assembly, _assembled_size(shape, sum(counts), parts[1:]))
+        assembly = stateformat.Assembly(shape, chain.seq_id, counts, parts[1:], out=out)
+        assembly.place(len(chain.keys), parts[0])
+        _run_all([partial(_place, assembly, load, i) for i in range(len(chain.keys))], pool, helpers)
     except stateformat.StateFormatError as e:
         raise CorruptCheckpoint(f"the blocks do not assemble into a state: {e}") from e
-    return replace(row, state=state, chain=None)
+    return replace(row, state=assembly.state, chain=None)
 
 
-def _assembled_size(shape: stateformat.StateShape, payloads: list[memoryview], parts: list[memoryview]) -> int:
-    """An upper bound of the assembled state's size: the buffer is sized by it, assemble checks exactly."""
-    kv = shape.kv
-    cells = sum(len(p) for p in payloads) + len(parts[0])
-    n = cells // kv.cell_bytes if kv is not None and kv.cell_bytes else 0
-    att = kv.section_size(n) if kv is not None else 0
-    return stateformat.HEADER.size + att + sum(len(p) for p in parts[1:])
+def _place(assembly: stateformat.Assembly, load: Callable[[int], memoryview], i: int) -> None:
+    assembly.place(i, load(i))
 
+
+def _run_all(tasks: list[Callable[[], None]], pool: Executor | None, helpers: int) -> None:
+    """Runs the tasks on this thread and on the pool's threads together (this thread starts at once, where a
+    pool thread may take milliseconds to wake), waits until none is running, then raises the first failure: no
+    task may still be writing into the buffer once the caller has it back. A failure stops the rest."""
+    todo = iter(tasks)
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def drain() -> None:
+        while True:
+            with lock:
+                task = None if failures else next(todo, None)
+            if task is None:
+                return
+            try:
+                task()
+            except BaseException as e:
+                with lock:
+                    failures.append(e)
+
+    running = [] if pool is None else [pool.submit(drain) for _ in range(min(helpers, len(tasks) - 1))]
+    try:
+        drain()
+    finally:
+        wait(running)
+    if failures:
+        raise failures[0]
+
+
+def _assembled_size(shape: stateformat.StateShape, cells: int, carried: list[memoryview]) -> int:
+    """An upper bound of the assembled state's size: the buffer is sized by it, Assembly checks exactly."""
+    att = shape.kv.section_size(cells) if shape.kv is not None else 0
+    return stateformat.HEADER.size + att + sum(len(p) for p in carried)

@@ -27,6 +27,7 @@ inconsistent raises StateFormatError, and a layout this module does not know is 
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
@@ -454,11 +455,6 @@ class _Seg:
     cell_stride: int
     unit: int
 
-    @property
-    def packed(self) -> bool:
-        """One run of cells with nothing between them."""
-        return self.chans == 1 and self.cell_stride == self.unit
-
     def view(self, buf: memoryview, first: int, count: int) -> np.ndarray:
         start = self.offset + first * self.cell_stride
         strides = (self.chan_stride, self.cell_stride, 1)
@@ -483,6 +479,7 @@ def _state_segs(kv: KvShape, meta_offset: int, layers: Sequence[KvLayer], cells:
     return segs + [_v(layer.v_offset, layer.shape, cells) for layer in layers]
 
 
+@functools.lru_cache(maxsize=64)
 def _payload_segs(kv: KvShape, cells: int) -> list[_Seg]:
     """The same fields in a chunk payload: each field's bytes for all its cells, one field after another."""
     segs = [_rows(0, kv.cell_ext)] if kv.cell_ext else []
@@ -498,17 +495,61 @@ def _payload_segs(kv: KvShape, cells: int) -> list[_Seg]:
 
 def _copy_cells(src: memoryview, src_segs: list[_Seg], pick: slice | np.ndarray, dst: memoryview,
                 dst_segs: list[_Seg], first: int, count: int) -> None:
-    """Copies the picked source cells (a slice, or storage indices) to dst cells first..first+count-1. Runs of
-    rows that lie back to back on both sides (K, and V unless transposed) are copied as one memcpy."""
-    for s, d in zip(src_segs, dst_segs, strict=True):
-        if isinstance(pick, slice) and s.packed and d.packed:
-            n = count * s.unit
-            at, to = s.offset + pick.start * s.unit, d.offset + first * d.unit
-            dst[to : to + n] = src[at : at + n]
-        elif isinstance(pick, slice):
-            d.view(dst, first, count)[...] = s.view(src, pick.start, count)
-        else:
+    """Copies the picked source cells (a slice, or storage indices) to dst cells first..first+count-1. For a
+    slice, fields of one shape spaced evenly on both sides (a model's layers) go as one copy."""
+    if not isinstance(pick, slice):
+        for s, d in zip(src_segs, dst_segs, strict=True):
             d.view(dst, first, count)[...] = s.view(src, 0, int(pick.max()) + 1)[:, pick, :]
+        return
+    _copy_runs(src, pick.start, dst, first, count, _even_runs(src_segs, dst_segs))
+
+
+def _copy_runs(src: memoryview, src_first: int, dst: memoryview, first: int, count: int,
+               runs: list[tuple[_Seg, _Seg, int, int, int]]) -> None:
+    for s, d, n, s_step, d_step in runs:
+        a, b = (s, n, s_step, src_first, count), (d, n, d_step, first, count)
+        width = min(_widest(*a), _widest(*b))
+        _strip(dst, *b, width)[...] = _strip(src, *a, width)
+
+
+def _even_runs(src_segs: list[_Seg], dst_segs: list[_Seg]) -> list[tuple[_Seg, _Seg, int, int, int]]:
+    """Consecutive field pairs of one shape whose offsets step evenly on both sides, as (first source field,
+    first destination field, how many, source step, destination step)."""
+    runs: list[tuple[_Seg, _Seg, int, int, int]] = []
+    for s, d in zip(src_segs, dst_segs, strict=True):
+        if runs:
+            s0, d0, n, s_step, d_step = runs[-1]
+            ds, dd = s.offset - s0.offset, d.offset - d0.offset
+            if _form(s) == _form(s0) and _form(d) == _form(d0) and ds > 0 and dd > 0 and (
+                    n == 1 or (ds == n * s_step and dd == n * d_step)):
+                runs[-1] = (s0, d0, n + 1, ds // n, dd // n)
+                continue
+        runs.append((s, d, 1, 0, 0))
+    return runs
+
+
+def _form(seg: _Seg) -> tuple[int, int, int, int]:
+    return seg.chans, seg.chan_stride, seg.cell_stride, seg.unit
+
+
+def _widest(seg: _Seg, n: int, step: int, first: int, count: int) -> int:
+    """The widest element (in bytes) that every offset of these cells allows, where each channel's cells lie
+    back to back; 0 where they do not."""
+    if seg.cell_stride != seg.unit:
+        return 0
+    start, run = seg.offset + first * seg.cell_stride, count * seg.unit
+    return next(w for w in (8, 4, 2, 1) if not (run % w or start % w or seg.chan_stride % w or step % w))
+
+
+def _strip(buf: memoryview, seg: _Seg, n: int, step: int, first: int, count: int, width: int) -> np.ndarray:
+    """Cells first..first+count-1 of `n` fields `step` apart as one array: (n, chans, run) in elements of
+    `width` bytes, so numpy copies whole runs; (n, chans, cells, unit) bytes when width is 0."""
+    start = seg.offset + first * seg.cell_stride
+    if not width:
+        strides = (step, seg.chan_stride, seg.cell_stride, 1)
+        return np.ndarray((n, seg.chans, count, seg.unit), np.uint8, buf, start, strides)
+    run = count * seg.unit // width
+    return np.ndarray((n, seg.chans, run), np.dtype(f"<u{width}"), buf, start, (step, seg.chan_stride, width))
 
 
 def _by_position(stream: KvStream, upto: int) -> np.ndarray:
@@ -645,6 +686,52 @@ def _write_layer_heads(out: memoryview, off: int, kv: KvShape, cells: int) -> tu
     return layers, off
 
 
+class Assembly:
+    """A state being assembled in one buffer: headers, cell metadata and the sections that cannot be cut are
+    written at once, then each chunk's cells go straight to their place by `place`, in any order and from
+    any thread (chunks write disjoint bytes, and numpy copies without the GIL), so reading, verifying and
+    placing blocks can run side by side. Every byte is written once."""
+
+    def __init__(self, shape: StateShape, seq_id: int, counts: Sequence[int], opaque: Sequence[Buffer],
+                 out: bytearray | memoryview | None = None) -> None:
+        if not 0 <= seq_id < MAX_SEQ:
+            raise StateFormatError(f"seq_id {seq_id} is out of range")
+        kv = shape.kv
+        if kv is None and any(counts):
+            raise StateFormatError("chunks given for a state without a full-attention section")
+        kinds = shape.spec.sections
+        carried = [kind for kind in kinds if kind is not SectionKind.ATTENTION]
+        if len(opaque) != len(carried):
+            raise StateFormatError(f"{len(opaque)} carried sections given for {len(carried)}")
+        carried_shapes = [x for k, x in zip(kinds, shape.sections, strict=True) if k is not SectionKind.ATTENTION]
+        parts = [_carried(*args, shape.spec.cell_ext) for args in zip(carried, opaque, carried_shapes, strict=True)]
+        n = sum(counts)
+        size = HEADER.size + (kv.section_size(n) if kv else 0) + sum(_retargeted_size(part) for part in parts)
+        self._dst, self.state = _output(size, out)
+        self._kv, self._counts = kv, list(counts)
+        self._firsts = [sum(self._counts[:i]) for i in range(len(self._counts))]
+        self._segs: list[_Seg] = []
+        HEADER.pack_into(self._dst, 0, MAGIC, seq_id)
+        off = HEADER.size
+        carried_parts = iter(parts)
+        for kind in kinds:
+            if kind is SectionKind.ATTENTION and kv is not None:
+                self._segs, off = _write_kv(self._dst, off, kv, seq_id, np.arange(n, dtype=np.int32))
+            elif kind is not SectionKind.ATTENTION:
+                off = _place_carried(self._dst, off, next(carried_parts), seq_id)
+        if off != size:
+            raise AssertionError(f"assembled {off} of {size} bytes")
+        self._runs = {c: _even_runs(_payload_segs(kv, c), self._segs) for c in set(counts) if c and kv is not None}
+
+    def place(self, i: int, chunk: Buffer) -> None:
+        """Chunk i's cells (positions after chunks 0..i-1's), as `chunk` lays them out."""
+        view, count = memoryview(chunk).cast("B"), self._counts[i]
+        if len(view) != count * (self._kv.cell_bytes if self._kv else 0):
+            raise StateFormatError(f"chunk {i} is {len(view)} bytes, not {count} cells")
+        if count and self._kv is not None:
+            _copy_runs(view, 0, self._dst, self._firsts[i], count, self._runs[count])
+
+
 def assemble(
     shape: StateShape,
     seq_id: int,
@@ -653,56 +740,16 @@ def assemble(
     out: bytearray | memoryview | None = None,
 ) -> bytearray | memoryview:
     """The state of sequence `seq_id` holding the chunks' cells at positions 0.. in order, and the sections
-    that cannot be cut (`opaque`, in the spec's order), retargeted to `seq_id`. Every byte is written once,
-    into one buffer: a new bytearray, or the first bytes of `out` when given."""
-    if not 0 <= seq_id < MAX_SEQ:
-        raise StateFormatError(f"seq_id {seq_id} is out of range")
-    kinds = shape.spec.sections
-    carried = [kind for kind in kinds if kind is not SectionKind.ATTENTION]
-    if len(opaque) != len(carried):
-        raise StateFormatError(f"{len(opaque)} carried sections given for {len(carried)}")
-    carried_shapes = [x for kind, x in zip(kinds, shape.sections, strict=True) if kind is not SectionKind.ATTENTION]
-    parts = [_carried(*args, shape.spec.cell_ext) for args in zip(carried, opaque, carried_shapes, strict=True)]
-    views, counts = _chunk_views(shape.kv, chunks)
-    n = sum(counts)
-    size = HEADER.size + (shape.kv.section_size(n) if shape.kv else 0)
-    size += sum(_retargeted_size(part) for part in parts)
-    dst, result = _output(size, out)
-    HEADER.pack_into(dst, 0, MAGIC, seq_id)
-    off = HEADER.size
-    carried_parts = iter(parts)
-    for kind in kinds:
-        if kind is SectionKind.ATTENTION:
-            off = _place_chunks(dst, off, shape.kv, seq_id, views, counts)
-        else:
-            off = _place_carried(dst, off, next(carried_parts), seq_id)
-    if off != size:
-        raise AssertionError(f"assembled {off} of {size} bytes")
-    return result
-
-
-def _chunk_views(kv: KvShape | None, chunks: Sequence[Buffer]) -> tuple[list[memoryview], list[int]]:
+    that cannot be cut (`opaque`, in the spec's order), retargeted to `seq_id`: a new bytearray, or the first
+    bytes of `out` when given."""
     views = [memoryview(c).cast("B") for c in chunks]
-    views = [v for v in views if len(v)]
-    if kv is None:
-        if views:
-            raise StateFormatError("chunks given for a state without a full-attention section")
-        return [], []
-    counts = [len(v) // kv.cell_bytes for v in views]
-    if any(len(v) % kv.cell_bytes for v in views):
-        raise StateFormatError(f"a chunk that is not a whole number of {kv.cell_bytes}-byte cells")
-    return views, counts
-
-
-def _place_chunks(dst: memoryview, off: int, kv: KvShape, seq_id: int, views: list[memoryview],
-                  counts: list[int]) -> int:
-    n = sum(counts)
-    segs, end = _write_kv(dst, off, kv, seq_id, np.arange(n, dtype=np.int32))
-    first = 0
-    for view, count in zip(views, counts, strict=True):
-        _copy_cells(view, _payload_segs(kv, count), slice(0, count), dst, segs, first, count)
-        first += count
-    return end
+    cell = shape.kv.cell_bytes if shape.kv is not None else 0
+    if cell and any(len(v) % cell for v in views):
+        raise StateFormatError(f"a chunk that is not a whole number of {cell}-byte cells")
+    assembly = Assembly(shape, seq_id, [len(v) // cell if cell else len(v) for v in views], opaque, out)
+    for i, view in enumerate(views):
+        assembly.place(i, view)
+    return assembly.state
 
 
 def _carried(

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -94,6 +94,10 @@ class ReconcileReport:
 
 
 _read_buffers = threading.local()
+ASSEMBLY_HELPERS = 3
+"""Threads that read, verify and place a row's blocks beside the restoring thread. Four reads in flight
+restored a 12-block row from a cold page cache about as fast as one whole-state read (two reads: 1.2 to 1.3
+times as long), and on two cores the copying ran no slower for the extra threads."""
 
 
 def _adopted_row(ckpt: Checkpoint, tier: str, location: str, size: int) -> Row:
@@ -153,6 +157,7 @@ class CacheStore:
         self._tiers: dict[str, Tier] = {}
         self._index: Index | None = None
         self._pool: WriterPool | None = None
+        self._assemblers: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
         self._pending: dict[bytes, Future] = {}
         self._plock = threading.Lock()
@@ -189,6 +194,7 @@ class CacheStore:
                 " ".join(f"{k}={v}" for k, v in asdict(self.last_reconcile).items()),
             )
             self._pool = WriterPool(self._writers, self._queue_size)
+            self._assemblers = ThreadPoolExecutor(ASSEMBLY_HELPERS, thread_name_prefix="barrel-assemble")
         except BaseException:
             self._release_resources()
             raise
@@ -214,7 +220,9 @@ class CacheStore:
                 tier.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
-        self._index = self._pool = self._lock_fd = None
+        if self._assemblers is not None:
+            self._assemblers.shutdown()
+        self._index = self._pool = self._lock_fd = self._assemblers = None
         self._tiers = {}
 
     def __enter__(self) -> CacheStore:
@@ -597,7 +605,7 @@ class CacheStore:
             if ckpt.key != row.key or len(ckpt.tokens) != row.tokens or (chain.keys if chain else ()) != row.blocks:
                 raise CorruptCheckpoint("checkpoint does not match its index row")
             if chain is not None:
-                ckpt = blocks.assemble(ckpt, self._read_blocks(row))
+                ckpt = blocks.assemble(ckpt, self._block_loader(row), self._assemblers, ASSEMBLY_HELPERS)
         except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
             log.warning("dropping cache row %s (%s): %s", row.key.hex(), row.tier, e)
             try:
@@ -610,17 +618,17 @@ class CacheStore:
             return None
         return ckpt
 
-    def _read_blocks(self, row: Row) -> list[memoryview]:
-        """The verified payloads of a row's blocks, read into this thread's reused buffer. A block that is
-        missing or fails verification is counted and marked for the next save that names it to write again;
-        the row is not assembled (CorruptCheckpoint)."""
+    def _block_loader(self, row: Row) -> Callable[[int], memoryview]:
+        """load(i): row's block i read and verified, its payload returned. A file block is read into slot i of
+        this thread's reused buffer, a ram block in place. A block that is missing or fails verification is
+        counted and marked for the next save that names it to write again; the row is not assembled
+        (CorruptCheckpoint)."""
         tier = self._tiers[row.tier]
-        size = len(row.blocks) * row.block_size if isinstance(tier, FileTier) else 0  # ram maps are read in place
+        size = len(row.blocks) * row.block_size if isinstance(tier, FileTier) else 0
         buf = memoryview(thread_buffer(_read_buffers, size))
-        if isinstance(tier, FileTier):
-            tier.prefetch([tier.block_location(key.hex()) for key in row.blocks])
-        payloads = []
-        for i, key in enumerate(row.blocks):
+
+        def load(i: int) -> memoryview:
+            key = row.blocks[i]
             location = tier.block_location(key.hex())
             try:
                 if isinstance(tier, FileTier):
@@ -628,13 +636,14 @@ class CacheStore:
                     view = view[: tier.read_into(location, view)]
                 else:
                     view = tier.read(location)
-                payloads.append(blocks.decode_block(view, key))
+                return blocks.decode_block(view, key)
             except (CorruptCheckpoint, OSError, KeyError) as e:
                 self.counters.count("corrupt_blocks")
                 with contextlib.suppress(IndexWriteError):
                     self._require_open().block_corrupt(row.tier, key)
                 raise CorruptCheckpoint(f"block {i} of {len(row.blocks)}: {e}") from e
-        return payloads
+
+        return load
 
     # ---- operations ---------------------------------------------------------------------------
 

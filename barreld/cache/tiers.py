@@ -345,17 +345,6 @@ class FileTier(Tier):
                 got += n
         return view
 
-    def prefetch(self, locations: list[str]) -> None:
-        """Ask the kernel to start reading these files now, all at once (best effort): a row's blocks are many
-        files, and read one after the other from a cold page cache each would wait for its own I/O."""
-        for location in locations:
-            with contextlib.suppress(OSError, ValueError):
-                fd = os.open(self._check_location(location), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-
     def read_into(self, location: str, out: memoryview) -> int:
         """Read a whole file into `out` (at least its size); returns its size."""
         with open(self._check_location(location), "rb", buffering=0) as f:
