@@ -19,6 +19,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "saves_duplicate",
     "saves_failed",
     "evictions",
+    "superseded",
     "corrupt_files",
     "corrupt_blocks",
     "longest_prefix_probes",

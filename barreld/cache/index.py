@@ -981,6 +981,20 @@ class Index:
             b.remove(row)
         return row
 
+    def supersede(self, key: bytes, by: bytes) -> bool:
+        """Drop row `key`, which the store found redundant beside row `by`, unless a reader holds it or the two
+        are not both published in one tier; whether it was dropped."""
+        with self.write() as b:
+            with self._mem_lock:
+                row = None if self._refs.get(key) else b.get(key)
+                newer = b.get(by)
+                if row is None or newer is None or row.tier != newer.tier or {row.status, newer.status} != {AVAILABLE}:
+                    return False
+                self._doomed.add(key)
+            b.doomed.append(key)
+            b.remove(row)
+        return True
+
     def evict(self, tiers: Iterable[str], need: float) -> tuple[int, int]:
         """Evict unreferenced rows, least recently used first, until `need` bytes are freed or none used
         before the call remain; (rows, bytes) evicted. In transactions of EVICT_BATCH rows, so saves and

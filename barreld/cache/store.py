@@ -160,6 +160,7 @@ class CacheStore:
         self._assemblers: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
         self._pending: dict[bytes, Future] = {}
+        self._successors: dict[bytes, tuple[Checkpoint, str]] = {}  # an in-flight row -> a row that replaces it
         self._plock = threading.Lock()
         self.remote = remote
 
@@ -382,8 +383,12 @@ class CacheStore:
         *,
         sync: bool = False,
         timeout: float | None = None,
+        replaces: bytes | None = None,
     ) -> SaveOutcome:
         """Save a checkpoint to a tier, findable also under `prefixes` ((prefix key, n_tokens) pairs).
+
+        `replaces` names an earlier row of the same sequence: once this one is published it is dropped if this
+        one makes it redundant (see `_supersede`).
 
         Async (default): returns at once; a full writer queue drops the save (`saves_dropped`). Sync:
         jumps the queue and waits for the publish, at most `timeout` seconds. The store keeps references
@@ -406,7 +411,7 @@ class CacheStore:
                 return SaveOutcome("dropped", key, tier, detail=f"{size} bytes exceed the {tier} quota")
             try:
                 assert self._pool is not None
-                fut = self._pool.submit(lambda: self._publish(ckpt, tier), urgent=sync)
+                fut = self._pool.submit(lambda: self._publish(ckpt, tier, replaces), urgent=sync)
             except WriterQueueFull as e:
                 self.counters.count("saves_dropped")
                 return SaveOutcome("dropped", key, tier, detail=str(e))
@@ -423,6 +428,7 @@ class CacheStore:
         with self._plock:
             if self._pending.get(key) is fut:
                 del self._pending[key]
+                self._successors.pop(key, None)
 
     def pending(self, key: bytes) -> Future | None:
         """The in-flight save of `key`, so a caller can wait for it to publish (session_resume_wait_ms)."""
@@ -445,7 +451,7 @@ class CacheStore:
             return replace(ckpt, layout=None), {}
         return split[0], dict(split[1])
 
-    def _publish(self, ckpt: Checkpoint, tier_name: str) -> SaveOutcome:
+    def _publish(self, ckpt: Checkpoint, tier_name: str, replaces: bytes | None = None) -> SaveOutcome:
         """The publish protocol, run on a writer thread."""
         t0 = time.perf_counter_ns()
         index = self._require_open()
@@ -488,7 +494,38 @@ class CacheStore:
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
         self._mirror(whole)  # whole: the remote tier stores states, not this tier's blocks
+        if replaces is not None:
+            self._supersede(ckpt, tier_name, replaces)
+        with self._plock:
+            successor = self._successors.pop(key, None)
+        if successor is not None:
+            self._supersede(*successor, key)
         return SaveOutcome("published", key, tier_name)
+
+    def _supersede(self, row: Checkpoint, tier_name: str, old_key: bytes) -> None:
+        """Drops the older row `old_key` when the new row of blocks makes it redundant: it is in the same tier,
+        its text is a prefix of the new text, and its blocks are the first of the new row's. Every prefix it
+        could restore is then restorable from the new row at a block boundary, and what it alone held (its
+        tail of under block_tokens cells and its logits, about a state's worth of bytes per row on a chat
+        that adds a hundred tokens a turn) serves only a resend of its exact text: that restores from the new
+        row and prefills the tail again."""
+        if row.chain is None or old_key == row.key:
+            return
+        index = self._require_open()
+        with self._plock:  # against the older row's publish, which takes its successor under this lock
+            old = index.get(old_key)
+            if old is None and old_key in self._pending:  # still being written: checked once it is published
+                self._successors[old_key] = (row, tier_name)
+                return
+        if (old is None or old.tier != tier_name or not old.blocks or old.frontier > row.frontier_tokens
+                or row.chain.keys[: len(old.blocks)] != old.blocks or old.text_bytes > len(row.rendered)
+                or row.key_scheme().key(row.rendered[: old.text_bytes]) != old_key):
+            return
+        try:
+            if index.supersede(old_key, row.key):
+                self.counters.count("superseded")
+        except IndexWriteError as e:
+            log.warning("could not drop cache row %s that %s supersedes: %s", old_key.hex(), row.key.hex(), e)
 
     def _reserve(self, ckpt: Checkpoint, tier_name: str) -> Reservation:
         chain = ckpt.chain

@@ -367,8 +367,11 @@ class ModelCache:
             self._prefixes(seq, rendered, payload.frontier),
             sync=sync,
             timeout=max(0.0, deadline - time.monotonic()) if sync else None,
+            replaces=seq.origin,
         )
         seq.stored_key = key
+        if outcome.status in ("queued", "published", "duplicate"):
+            seq.origin = key
         return outcome.status == "published" if sync else outcome.status == "queued"
 
     def _checkpoint(self, seq: Sequence, key: bytes, rendered: bytes, reason: str, payload: Payload) -> Checkpoint:

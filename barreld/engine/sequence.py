@@ -34,6 +34,7 @@ class Sequence:
     request: Request | None = None
     last_used: float = field(default_factory=time.monotonic)
     stored_key: bytes | None = None  # a checkpoint of exactly this text is stored or being written
+    origin: bytes | None = None  # the row this text was last saved as or restored from: a later save may supersede it
     frontier: int = 0
     frontier_logits: np.ndarray | None = None  # logits after the frontier's last token, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too

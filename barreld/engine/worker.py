@@ -283,6 +283,7 @@ class ModelWorker:
                 self.backend.seq_rm(seq.id, k, -1)
             for t in ckpt.tokens[:k]:
                 seq.append(t, self.backend.piece(t), prefilled=True)
+            seq.origin = found.hit.row_key
             if ckpt.logits is not None and ckpt.logits_tokens == k:
                 seq.frontier_logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
             return k

@@ -4,6 +4,7 @@ guarantee of the whole-state store (quotas by stored bytes, eviction by row, rec
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -273,3 +274,53 @@ def test_every_block_boundary_of_a_stored_row_restores_that_prefix(bstore) -> No
         layout = stateformat.parse(got.state, SPEC)
         for k in range(0, 90, B):
             assert bytes(stateformat.cut(layout, k)) == state(k)
+
+
+def test_a_row_that_a_later_row_of_blocks_extends_is_superseded(bstore) -> None:
+    store = bstore()
+    a, b = ckpt(40), ckpt(64)  # a's text and tokens are b's first; a: 2 blocks and 8 cells of its own
+    store.save(a, "disk", sync=True)
+    own = Path(store.dump()[0]["location"])
+    assert store.save(b, "disk", sync=True, replaces=a.key).status == "published"
+    assert store.stats()["counters"]["superseded"] == 1
+    assert store.lookup(a.key) is None and not own.exists()
+    assert [r["key"] for r in store.dump()] == [b.key.hex()]
+    assert len(block_files(store)) == 4 and restored(store, b) == bytes(b.state)
+    assert store.check() == []
+
+
+@pytest.mark.parametrize("case", ["text differs", "other tier", "whole states", "held by a reader", "itself"])
+def test_a_row_the_newer_row_does_not_cover_is_kept(bstore, case: str) -> None:
+    store = bstore(block_tokens=0 if case == "whole states" else B)
+    a, b = ckpt(40, 3 if case == "text differs" else 0), ckpt(64)
+    store.save(a, "ram_file" if case == "other tier" else "disk", sync=True)
+    replaces = b.key if case == "itself" else a.key
+    if case == "held by a reader":
+        with store.restore(store.lookup(a.key)) as got:
+            assert got is not None
+            store.save(b, "disk", sync=True, replaces=replaces)
+    else:
+        store.save(b, "disk", sync=True, replaces=replaces)
+    assert store.stats()["counters"]["superseded"] == 0
+    assert restored(store, a) == bytes(a.state) and restored(store, b) == bytes(b.state)
+
+
+def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, monkeypatch) -> None:
+    store = bstore()
+    a, b = ckpt(40), ckpt(64)
+    gate = threading.Event()
+    publish = store._publish
+
+    def held(c: Checkpoint, tier: str, replaces: bytes | None = None):
+        if c.key == a.key:
+            assert gate.wait(10)
+        return publish(c, tier, replaces)
+
+    monkeypatch.setattr(store, "_publish", held)
+    pending = store.save(a, "disk").future
+    assert store.save(b, "disk", sync=True, replaces=a.key).status == "published"
+    assert store.stats()["counters"]["superseded"] == 0  # a is not there yet
+    gate.set()
+    assert pending.result(10).status == "published"
+    assert store.stats()["counters"]["superseded"] == 1 and [r["key"] for r in store.dump()] == [b.key.hex()]
+    assert store.check() == []

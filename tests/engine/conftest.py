@@ -158,7 +158,7 @@ class WatchedStore(CacheStore):
     """A real store that keeps its async saves' futures, so a test can wait for them, and can hold its
     writers before they publish, so a save stays in flight while a test looks."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, block_tokens: int = 0) -> None:
         super().__init__(
             root / "data",
             {
@@ -166,6 +166,7 @@ class WatchedStore(CacheStore):
                 "ram_file": TierConfig(64 << 20, root / "ram_file"),
                 "disk": TierConfig(64 << 20, root / "disk"),
             },
+            block_tokens=block_tokens,
         )
         self.futures: list[Future] = []
         self.publishing = threading.Event()
@@ -177,10 +178,10 @@ class WatchedStore(CacheStore):
             self.futures.append(outcome.future)
         return outcome
 
-    def _publish(self, ckpt: Checkpoint, tier_name: str) -> SaveOutcome:
+    def _publish(self, ckpt: Checkpoint, tier_name: str, replaces: bytes | None = None) -> SaveOutcome:
         if not self.publishing.wait(EVENT_TIMEOUT):
             raise AssertionError("publishing held too long; a test forgot to set it")
-        return super()._publish(ckpt, tier_name)
+        return super()._publish(ckpt, tier_name, replaces)
 
     def settle(self) -> None:
         for fut in list(self.futures):

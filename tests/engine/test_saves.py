@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
-from .conftest import Engine, plain
+from .conftest import CHUNK, Engine, WatchedStore, plain
 
 
 def reload(engine: Engine, **opts: object) -> None:
@@ -122,3 +125,27 @@ def test_saves_go_to_the_models_tier(engine: Engine) -> None:
     engine.run(a)
     assert {r["tier"] for r in engine.rows()} == {"ram"}
     assert engine.restarted().run(a).started.cache.tier == "ram"
+
+
+@pytest.fixture
+def blocks_engine(tmp_path: Path) -> Iterator[Engine]:
+    store = WatchedStore(tmp_path, block_tokens=CHUNK).open()
+    e = Engine(tmp_path, store)
+    e.load()
+    yield e
+    e.close()
+    store.close()
+
+
+def test_each_turn_of_a_conversation_supersedes_the_rows_of_the_turn_before(blocks_engine: Engine) -> None:
+    engine = blocks_engine
+    first = plain(40, 16)
+    one = engine.run(first)
+    kept = [r["key"] for r in engine.rows()]
+    assert kept == [one.done.key.hex()] and engine.counter("superseded") == 1  # the cold capture went
+    second = first + one.text + plain(30, 17)[1:]
+    two = engine.run(second)
+    assert [r["key"] for r in engine.rows()] == [two.done.key.hex()]
+    assert engine.counter("superseded") == engine.counter("saves_cold") + engine.counter("saves_finish") - 1
+    again = engine.restarted().run(first)  # the first turn's own row is gone: its prefix is restored
+    assert again.started.cache.route == "longest_prefix" and again.text == engine.cold(first).text
