@@ -983,7 +983,8 @@ class Index:
 
     def supersede(self, key: bytes, by: bytes) -> bool:
         """Drop row `key`, which the store found redundant beside row `by`, unless a reader holds it or the two
-        are not both published in one tier; whether it was dropped."""
+        are not both published in one tier; its key and aliases become aliases of `by` (for as many tokens),
+        so a lookup or a resume by them finds the newer row. Whether it was dropped."""
         with self.write() as b:
             with self._mem_lock:
                 row = None if self._refs.get(key) else b.get(key)
@@ -993,6 +994,8 @@ class Index:
                 self._doomed.add(key)
             b.doomed.append(key)
             b.remove(row)
+            aliases = valid_aliases(by, newer.tokens, [*newer.aliases, (key, row.tokens), *row.aliases])
+            b.store(newer, replace(newer, aliases=aliases))
         return True
 
     def evict(self, tiers: Iterable[str], need: float) -> tuple[int, int]:

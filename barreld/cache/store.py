@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from barreld.names import REDIS_TIER, TIER_NAMES, TIER_RANK
+from barreld.names import REDIS_TIER, TIER_NAMES, TIER_RANK, MemoryKind
 
 from . import blocks
 from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
@@ -503,14 +503,14 @@ class CacheStore:
         return SaveOutcome("published", key, tier_name)
 
     def _supersede(self, row: Checkpoint, tier_name: str, old_key: bytes) -> None:
-        """Drops the older row `old_key` when the new row of blocks makes it redundant: it is in the same tier,
-        its text is a prefix of the new text, and its blocks are the first of the new row's. Every prefix it
-        could restore is then restorable from the new row at a block boundary, and what it alone held (its
-        tail of under block_tokens cells and its logits, about a state's worth of bytes per row on a chat
-        that adds a hundred tokens a turn) serves only a resend of its exact text: that restores from the new
-        row and prefills the tail again."""
-        if row.chain is None or old_key == row.key:
-            return
+        """Drops the older row `old_key` when the new row of full-attention blocks makes it redundant: it is in
+        the same tier, its text is a prefix of the new text, and its blocks are the first of the new row's.
+        Every prefix it could restore is then restorable from the new row, and its key and aliases now find
+        the new row. What it alone held (its tail of under block_tokens cells and its logits, about a state's
+        worth of bytes per row on a chat that adds a hundred tokens a turn) served only a resend of exactly
+        its text: that now restores from the new row and prefills the tail again."""
+        if row.chain is None or row.chain.opaque or row.memory != MemoryKind.FULL or old_key == row.key:
+            return  # a sliding window or a recurrent state is restorable at its own length only
         index = self._require_open()
         with self._plock:  # against the older row's publish, which takes its successor under this lock
             old = index.get(old_key)

@@ -283,16 +283,18 @@ def test_a_row_that_a_later_row_of_blocks_extends_is_superseded(bstore) -> None:
     own = Path(store.dump()[0]["location"])
     assert store.save(b, "disk", sync=True, replaces=a.key).status == "published"
     assert store.stats()["counters"]["superseded"] == 1
-    assert store.lookup(a.key) is None and not own.exists()
-    assert [r["key"] for r in store.dump()] == [b.key.hex()]
+    assert not own.exists() and [r["key"] for r in store.dump()] == [b.key.hex()]
+    hit = store.lookup(a.key)  # a's key finds b now, for a's tokens: a resume by it restores from b
+    assert (hit.row_key, hit.n_tokens, hit.total_tokens) == (b.key, len(a.tokens), len(b.tokens))
     assert len(block_files(store)) == 4 and restored(store, b) == bytes(b.state)
     assert store.check() == []
 
 
-@pytest.mark.parametrize("case", ["text differs", "other tier", "whole states", "held by a reader", "itself"])
+@pytest.mark.parametrize("case", ["text differs", "other tier", "whole states", "held by a reader", "itself", "window"])
 def test_a_row_the_newer_row_does_not_cover_is_kept(bstore, case: str) -> None:
     store = bstore(block_tokens=0 if case == "whole states" else B)
-    a, b = ckpt(40, 3 if case == "text differs" else 0), ckpt(64)
+    window = case == "window"  # restorable at its own length only: the newer row cannot serve its prefix
+    a, b = ckpt(40, 3 if case == "text differs" else 0, window=window), ckpt(64, window=window)
     store.save(a, "ram_file" if case == "other tier" else "disk", sync=True)
     replaces = b.key if case == "itself" else a.key
     if case == "held by a reader":
@@ -323,4 +325,4 @@ def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, mo
     gate.set()
     assert pending.result(10).status == "published"
     assert store.stats()["counters"]["superseded"] == 1 and [r["key"] for r in store.dump()] == [b.key.hex()]
-    assert store.check() == []
+    assert store.lookup(a.key).row_key == b.key and store.check() == []

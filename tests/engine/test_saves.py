@@ -147,5 +147,9 @@ def test_each_turn_of_a_conversation_supersedes_the_rows_of_the_turn_before(bloc
     two = engine.run(second)
     assert [r["key"] for r in engine.rows()] == [two.done.key.hex()]
     assert engine.counter("superseded") == engine.counter("saves_cold") + engine.counter("saves_finish") - 1
-    again = engine.restarted().run(first)  # the first turn's own row is gone: its prefix is restored
-    assert again.started.cache.route == "longest_prefix" and again.text == engine.cold(first).text
+    other = first + one.text + plain(30, 18)[1:]  # another second turn, resumed by the first turn's key
+    branch = engine.restarted().run(other, parent_key=one.done.key)
+    assert branch.started.cache.route == "resume" and branch.text == engine.cold(other).text
+    again = engine.restarted().run(first)  # the first turn's row is gone: its prompt finds the second's
+    assert again.started.cache.route == "exact" and again.started.cache.restored_tokens == 32
+    assert again.text == engine.cold(first).text
