@@ -402,7 +402,7 @@ class Batch:
         self.defer = False  # leave the removed payloads to the caller (an eviction deletes them at its end)
         self.doomed: list[bytes] = []
         self.durable = False  # made durable before `write` returns
-        self.deltas: dict[str, list[int]] = {}
+        self.deltas: dict[str, list[int]] = {}  # per tier: stored bytes, rows, logical bytes
         self.folded: dict[bytes, tuple[int, int]] = {}
         self.cleared: list[bytes] = []
 
@@ -410,10 +410,11 @@ class Batch:
         raw = self.txn.get(key, db=self._index._rows)
         return Row.decode(key, raw) if raw is not None else None
 
-    def _delta(self, tier: str, size: int, rows: int) -> None:
-        d = self.deltas.setdefault(tier, [0, 0])
+    def _delta(self, tier: str, size: int, rows: int, logical: int = 0) -> None:
+        d = self.deltas.setdefault(tier, [0, 0, 0])
         d[0] += size
         d[1] += rows
+        d[2] += logical
 
     def put(self, row: Row, *, written: bool = False) -> None:
         """Insert or replace a row; its lru and prefix entries follow it, and a new row takes a reference on
@@ -423,7 +424,7 @@ class Batch:
     def store(self, old: Row | None, row: Row, *, written: bool = False) -> None:
         """`put`, given the row it replaces as read in this transaction (None for a new row)."""
         if old is None:
-            self._delta(row.tier, row.size, 1)
+            self._delta(row.tier, row.size, 1, row.stored_bytes)
             self._ref_blocks(row, written)
         elif old.tier != row.tier or old.size != row.size or old.blocks != row.blocks:
             raise ValueError("a row's tier, size and blocks never change in place")
@@ -437,7 +438,7 @@ class Batch:
         marked gone and deleted after commit, and so is each of its blocks no other row refers to."""
         self.txn.delete(row.key, db=self._index._rows)
         self.relink(row, None)
-        self._delta(row.tier, -row.size, -1)
+        self._delta(row.tier, -row.size, -1, -row.stored_bytes)
         if delete_bytes and row.location is not None:
             self._gone(row.key, row.tier, row.location)
         if blocks:
@@ -553,6 +554,7 @@ class Index:
         self._clock = 0
         self._used: dict[str, int] = dict.fromkeys(quotas, 0)
         self._count: dict[str, int] = dict.fromkeys(quotas, 0)
+        self._logical: dict[str, int] = dict.fromkeys(quotas, 0)  # what rows would take with no block shared
         self._upgrade()
 
     def close(self) -> None:
@@ -647,6 +649,7 @@ class Index:
         are then counted again from the rows kept (their locations are among those returned)."""
         used = dict.fromkeys(self.quotas, 0)
         count = dict.fromkeys(self.quotas, 0)
+        logical = dict.fromkeys(self.quotas, 0)
         kept: set[str] = set()
         lost: list[bytes] = []
         blocks: dict[bytes, list] = {}  # block id -> [refs, size, location, tier]
@@ -661,6 +664,7 @@ class Index:
                 tier, size, ns, location = fields[1], head[2], head[6], fields[3]
                 used[tier] = used.get(tier, 0) + size
                 count[tier] = count.get(tier, 0) + 1
+                logical[tier] = logical.get(tier, 0) + size + head[12] * head[13]
                 if ns > clock:
                     clock = ns
                 listing = listings.get(tier)
@@ -677,7 +681,7 @@ class Index:
         for _, size, where, tier in blocks.values():
             used[tier] = used.get(tier, 0) + size
             kept.add(where)
-        self._used, self._count = used, count
+        self._used, self._count, self._logical = used, count, logical
         with self._mem_lock:
             self._clock = max(self._clock, clock)
         self._in_batches(lost, self._drop)
@@ -776,9 +780,10 @@ class Index:
 
     def _committed(self, batch: Batch) -> None:
         """After commit, still under the write lock: totals, and the tiers stop counting removed bytes."""
-        for tier, (size, rows) in batch.deltas.items():
+        for tier, (size, rows, logical) in batch.deltas.items():
             self._used[tier] = self._used.get(tier, 0) + size
             self._count[tier] = self._count.get(tier, 0) + rows
+            self._logical[tier] = self._logical.get(tier, 0) + logical
         for payload in batch.removed:
             try:
                 self._forget(payload)
@@ -1015,7 +1020,7 @@ class Index:
                         b.remove(row)
                 removed += b.removed
                 evicted += len(victims)
-                freed -= sum(size for size, _ in b.deltas.values())  # rows and the blocks they took with them
+                freed -= sum(d[0] for d in b.deltas.values())  # rows and the blocks they took with them
                 if len(victims) < EVICT_BATCH:
                     break
         finally:
@@ -1121,6 +1126,11 @@ class Index:
         """(bytes, rows) of reserved and available rows in a tier."""
         return self._used.get(tier, 0), self._count.get(tier, 0)
 
+    def logical(self, tier: str) -> int:
+        """Bytes the tier's rows would take with none of their blocks shared (kept with the totals, so that
+        `cache stats` reads no row)."""
+        return self._logical.get(tier, 0)
+
     def check(self) -> list[str]:
         """The index's own consistency: rows readable, lru and prefix entries exactly those the rows
         imply, no gone mark on an available row, per-tier totals equal to the rows."""
@@ -1156,6 +1166,8 @@ class Index:
             block_bytes = sum(size for bid, (_, size) in blocks.items() if bid[0] == _rank(tier))
             if (used, count) != (sum(r.size for r in mine) + block_bytes, len(mine)):
                 problems.append(f"{tier}: totals {used} B / {count} rows disagree with the rows")
+            if self.logical(tier) != sum(r.stored_bytes for r in mine):
+                problems.append(f"{tier}: logical bytes {self.logical(tier)} disagree with the rows")
         return problems
 
 

@@ -751,15 +751,12 @@ class CacheStore:
         quota, rows (reserved included), logical_bytes (what the rows would take with no block shared) and
         their ratio; and the remote tier's status (None without one)."""
         index = self._require_open()
-        logical = dict.fromkeys(self._tiers, 0)
-        for row in index.rows():
-            logical[row.tier] = logical.get(row.tier, 0) + row.stored_bytes
         tiers = {}
         for name, tier in self._tiers.items():
             used, rows = index.usage(name)
-            ratio = logical[name] / used if used else 1.0
+            logical = index.logical(name)
             tiers[name] = {"bytes": used, "quota": tier.quota, "rows": rows, "stored_bytes": used,
-                           "logical_bytes": logical[name], "dedup_ratio": ratio}
+                           "logical_bytes": logical, "dedup_ratio": logical / used if used else 1.0}
         remote = self.remote.stats() if self.remote is not None else None
         return {"counters": self.counters.snapshot(), "tiers": tiers, REDIS_TIER: remote}
 

@@ -13,6 +13,7 @@ import pytest
 from barreld.cache import CacheStore, Checkpoint, TierConfig, stateformat
 from barreld.cache.blocks import decode_block, encode_block
 from barreld.cache.errors import CorruptCheckpoint
+from barreld.cache.index import Index
 from tests.cache import synthstate as ss
 from tests.cache.conftest import SCHEME
 
@@ -326,3 +327,23 @@ def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, mo
     assert pending.result(10).status == "published"
     assert store.stats()["counters"]["superseded"] == 1 and [r["key"] for r in store.dump()] == [b.key.hex()]
     assert store.lookup(a.key).row_key == b.key and store.check() == []
+
+
+def test_stats_keep_logical_bytes_without_reading_a_row(bstore, monkeypatch) -> None:
+    store = bstore()
+    for c in (ckpt(64, 5), ckpt(70, 6), ckpt(80, 0)):
+        store.save(c, "disk", sync=True)
+    store.evict_bytes(1)
+    logical = {r.key: r.stored_bytes for r in store._require_open().rows()}
+    assert len(logical) == 2
+
+    def no_rows(self) -> None:
+        raise AssertionError("cache stats read the rows")
+
+    monkeypatch.setattr(Index, "rows", no_rows)
+    assert store.stats()["tiers"]["disk"]["logical_bytes"] == sum(logical.values())
+    monkeypatch.undo()
+    store.close()
+    reopened = bstore()  # counted again by the one pass at open
+    assert reopened.stats()["tiers"]["disk"]["logical_bytes"] == sum(logical.values())
+    assert reopened.check() == []
