@@ -94,7 +94,7 @@ def settle(w: Sandbox, keys: list[str], timeout: float = 30) -> list[dict]:
     while True:
         rows = dump(w)
         present = {r["key"] for r in rows}
-        settled = all(r["status"] == "available" and r["save_reason"] == "finish" for r in rows)
+        settled = all(r["status"] == "available" and r["save_reason"] != "cold" for r in rows)
         if set(keys) <= present and settled:  # every cold capture superseded by its prompt's finish
             return rows
         assert time.monotonic() < deadline, f"saves did not settle: {rows}"

@@ -647,9 +647,7 @@ class Index:
         newest row. Rows this version cannot read are dropped, with one log line, and the lru and prefix
         entries rebuilt without them. A row is kept only if every block it names is in place too; the blocks
         are then counted again from the rows kept (their locations are among those returned)."""
-        used = dict.fromkeys(self.quotas, 0)
-        count = dict.fromkeys(self.quotas, 0)
-        logical = dict.fromkeys(self.quotas, 0)
+        used, count, logical = (dict.fromkeys(self.quotas, 0) for _ in range(3))  # bytes, rows, logical bytes
         kept: set[str] = set()
         lost: list[bytes] = []
         blocks: dict[bytes, list] = {}  # block id -> [refs, size, location, tier]

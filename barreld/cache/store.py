@@ -514,7 +514,7 @@ class CacheStore:
         index = self._require_open()
         with self._plock:  # against the older row's publish, which takes its successor under this lock
             old = index.get(old_key)
-            if old is None and old_key in self._pending:  # still being written: checked once it is published
+            if (old is None or old.status != AVAILABLE) and old_key in self._pending:  # checked once published
                 self._successors[old_key] = (row, tier_name)
                 return
         if (old is None or old.tier != tier_name or not old.blocks or old.frontier > row.frontier_tokens

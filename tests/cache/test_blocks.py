@@ -308,18 +308,28 @@ def test_a_row_the_newer_row_does_not_cover_is_kept(bstore, case: str) -> None:
     assert restored(store, a) == bytes(a.state) and restored(store, b) == bytes(b.state)
 
 
-def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, monkeypatch) -> None:
+@pytest.mark.parametrize("held", ["before its reservation", "reserved, its file being written"])
+def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, monkeypatch, held: str) -> None:
     store = bstore()
     a, b = ckpt(40), ckpt(64)
     gate = threading.Event()
-    publish = store._publish
+    publish, tier = store._publish, store._tiers["disk"]
+    put = tier.put
 
-    def held(c: Checkpoint, tier: str, replaces: bytes | None = None):
+    def held_publish(c: Checkpoint, tier_name: str, replaces: bytes | None = None):
         if c.key == a.key:
             assert gate.wait(10)
-        return publish(c, tier, replaces)
+        return publish(c, tier_name, replaces)
 
-    monkeypatch.setattr(store, "_publish", held)
+    def held_put(name: str, *args, **kw):
+        if name == a.key.hex():
+            assert gate.wait(10)
+        return put(name, *args, **kw)
+
+    if held == "before its reservation":
+        monkeypatch.setattr(store, "_publish", held_publish)
+    else:
+        monkeypatch.setattr(tier, "put", held_put)
     pending = store.save(a, "disk").future
     assert store.save(b, "disk", sync=True, replaces=a.key).status == "published"
     assert store.stats()["counters"]["superseded"] == 0  # a is not there yet
