@@ -248,11 +248,12 @@ def report(traces: list[dict], times: dict, raw_evict: dict, wall: float) -> str
              f"to {e['stored_after'] / 2**20:.0f} MiB), index and files consistent after: {e['consistent']}.\n")
     note = ("Distinct prompt tokens are the nodes of the trie of every prompt's token ids sent so far: what one "
             "state per distinct token would take. Whole states store a shared prefix again with every checkpoint "
-            "(a cold capture, a finish save per request). With blocks a shared prefix is stored once; what is left "
-            "above one state per token is each row's own file (its tail of up to block_tokens - 1 cells after the "
-            "last whole block, and its logits: 196 KB for SmolLM2's vocabulary) and blocks of prefixes that no later "
-            "prompt repeated. A smaller block shortens the tails, which weigh most on a chat whose turns add a hundred "
-            "tokens each: the default is 128, the smallest block the default prefill chunk (n_batch 512) allows.\n")
+            "(a cold capture, a finish save per request). With blocks a shared prefix is stored once, and a row that "
+            "a later row of the same sequence extends (the cold capture its finish extends, the previous turn's "
+            "finish) is superseded: dropped, its key and aliases moved to the later row. What is left above one "
+            "state per token is the own file of each conversation's latest row (its tail of up to block_tokens - 1 "
+            "cells after the last whole block, and its logits: 196 KB for SmolLM2's vocabulary) and blocks of "
+            "prefixes that no later prompt repeated.\n")
     m = machine()
     return (f"{HEADING}\n![Stored bytes per request](blocks.png)\n\n{storage.markdown()}\n{note}\n"
             f"{warm.markdown()}\n{evict}\n"

@@ -38,9 +38,9 @@ from .tiers import thread_buffer
 
 DEFAULT_BLOCK_TOKENS = 128
 """Tokens per block when the operator sets none: the smallest block the default prefill chunk (n_batch 512)
-allows. Each checkpoint's tail (up to block_tokens - 1 tokens after its last whole block) is its own, so on
-a chat whose turns add a hundred tokens each, 128 stores 1.4 times one state per distinct token where 256
-stores 1.7 times (bench/RESULTS.md, section 7)."""
+allows. A row's tail (up to block_tokens - 1 tokens after its last whole block) is its own; with superseded
+rows dropped only each conversation's latest tail is kept, and on the agent trace of bench/RESULTS.md
+(section 8) 128 stores 1.03 times one state per distinct token, 256 1.05 times."""
 BLOCK_MAGIC = b"BRLBLK\r\n"
 BLOCK_FORMAT = 1
 _HEAD = struct.Struct("<8sII32sQ")
