@@ -12,7 +12,8 @@ With `block_tokens` set, a checkpoint that carries its model's state shape is st
 (`barreld.cache.blocks`): the reservation takes a reference on each block, the blocks no published row has in
 place are written first, and the row's own file last, so no row is ever published before the blocks it
 names. A block is deleted with its last row; `open()` drops rows whose blocks are missing and deletes blocks
-no row names.
+no row names. A save may name the row it `replaces` (the engine passes the row its sequence was last saved as
+or restored from): a full-attention row of blocks that extends it supersedes it once both are published.
 
 A shared remote tier (optional, beneath the local ones) hooks in at three places: a published checkpoint
 is mirrored to it by a writer thread; a lookup that misses locally may probe it (`lookup_remote`); a
