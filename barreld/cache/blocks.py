@@ -121,7 +121,7 @@ def assemble(row: Checkpoint, load: Callable[[int], memoryview], pool: Executor 
             off += n
         cell = shape.kv.cell_bytes if shape.kv is not None else 0
         counts = [chain.block_tokens] * len(chain.keys) + [chain.tail // cell if cell else 0]
-        out = thread_buffer(_assembly, _assembled_size(shape, sum(counts), parts[1:]))
+        out = partial(thread_buffer, _assembly)
         assembly = stateformat.Assembly(shape, chain.seq_id, counts, parts[1:], out=out)
         assembly.place(len(chain.keys), parts[0])
         _run_all([partial(_place, assembly, load, i) for i in range(len(chain.keys))], pool, helpers)
@@ -162,8 +162,3 @@ def _run_all(tasks: list[Callable[[], None]], pool: Executor | None, helpers: in
     if failures:
         raise failures[0]
 
-
-def _assembled_size(shape: stateformat.StateShape, cells: int, carried: list[memoryview]) -> int:
-    """An upper bound of the assembled state's size: the buffer is sized by it, Assembly checks exactly."""
-    att = shape.kv.section_size(cells) if shape.kv is not None else 0
-    return stateformat.HEADER.size + att + sum(len(p) for p in carried)

@@ -28,8 +28,9 @@ inconsistent raises StateFormatError, and a layout this module does not know is 
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, fields
 from enum import StrEnum
 
@@ -614,14 +615,18 @@ def split(layout: StateLayout, block_cells: int) -> Pieces:
     return Pieces(layout.shape, blocks, tail, opaque)
 
 
-def _output(size: int, out: bytearray | memoryview | None) -> tuple[memoryview, bytearray | memoryview]:
+Output = bytearray | memoryview | Callable[[int], bytearray | memoryview] | None
+"""Where a state goes: a new bytearray (None), a buffer the caller reuses so that no fresh pages are faulted
+in, or a function that gives such a buffer for the size the state turns out to have."""
+
+
+def _output(size: int, out: Output) -> tuple[memoryview, bytearray | memoryview]:
     """Where a state of `size` bytes is written, and what is returned: a new bytearray (which compares with
-    memcmp, where a memoryview compares item by item), or the first bytes of `out`, a buffer the caller
-    reuses so that no fresh pages are faulted in."""
+    memcmp, where a memoryview compares item by item), or the first bytes of the buffer given."""
     if out is None:
         new = bytearray(size)
         return memoryview(new), new
-    view = memoryview(out).cast("B")
+    view = memoryview(out(size) if callable(out) else out).cast("B")
     if view.readonly or len(view) < size:
         raise ValueError(f"the output buffer must be writable and hold {size} bytes")
     return view[:size], view[:size]
@@ -693,7 +698,7 @@ class Assembly:
     placing blocks can run side by side. Every byte is written once."""
 
     def __init__(self, shape: StateShape, seq_id: int, counts: Sequence[int], opaque: Sequence[Buffer],
-                 out: bytearray | memoryview | None = None) -> None:
+                 out: Output = None) -> None:
         if not 0 <= seq_id < MAX_SEQ:
             raise StateFormatError(f"seq_id {seq_id} is out of range")
         kv = shape.kv
@@ -709,7 +714,7 @@ class Assembly:
         size = HEADER.size + (kv.section_size(n) if kv else 0) + sum(_retargeted_size(part) for part in parts)
         self._dst, self.state = _output(size, out)
         self._kv, self._counts = kv, list(counts)
-        self._firsts = [sum(self._counts[:i]) for i in range(len(self._counts))]
+        self._firsts = [0, *itertools.accumulate(self._counts)]
         self._segs: list[_Seg] = []
         HEADER.pack_into(self._dst, 0, MAGIC, seq_id)
         off = HEADER.size
