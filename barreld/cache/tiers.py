@@ -22,6 +22,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from .checkpoint import Buffer
 from .errors import StoreLocked, TierWriteError
@@ -224,6 +225,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fill(f: BinaryIO, view: memoryview, location: str) -> None:
+    """Read exactly len(view) bytes of an open file into view."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise OSError(errno.EIO, f"{location} shrank while being read")
+        got += n
+
+
 def _write_all(fd: int, parts: list[Buffer], tier: str) -> None:
     for i, part in enumerate(parts):
         mv = memoryview(part).cast("B")
@@ -337,12 +348,7 @@ class FileTier(Tier):
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             view = memoryview(thread_buffer(_read_buffers, size))[:size]
-            got = 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise OSError(errno.EIO, f"{path} shrank while being read")
-                got += n
+            _fill(f, view, location)
         return view
 
     def read_into(self, location: str, out: memoryview) -> int:
@@ -351,12 +357,7 @@ class FileTier(Tier):
             size = os.fstat(f.fileno()).st_size
             if size > len(out):
                 raise OSError(errno.EIO, f"{location} is {size} bytes, more than the {len(out)} expected")
-            got = 0
-            while got < size:
-                n = f.readinto(out[got:size])
-                if not n:
-                    raise OSError(errno.EIO, f"{location} shrank while being read")
-                got += n
+            _fill(f, out[:size], location)
         return size
 
     def delete(self, location: str) -> None:
