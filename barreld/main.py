@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
 import sys
@@ -69,6 +70,9 @@ def _listen_address(text: str) -> ListenAddress:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash in llama.cpp (SIGILL from a CPU it was not built for, SIGSEGV, SIGABRT) leaves the signal and
+    # every thread's Python stack in the log, where barrelctl and the next start find them (barreld.deaths).
+    faulthandler.enable(all_threads=True)
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

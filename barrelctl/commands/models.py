@@ -61,6 +61,7 @@ def model_json(m) -> dict:
         "type_v": m.type_v,
         "swa_full": m.swa_full,
         "prefill_chunk": m.prefill_chunk,
+        "error": m.error,
     }
 
 
@@ -192,6 +193,9 @@ def models_list(json_out: JsonOpt = False) -> None:
         ),
         right=("n_ctx", "running", "queued", "live"),
     )
+    for m in models:
+        if m.error:
+            render.out.print(f"{m.name} failed to load: {m.error}", markup=False)
 
 
 def register(app: typer.Typer) -> None:

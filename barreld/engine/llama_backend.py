@@ -52,6 +52,17 @@ def _context_hint(settings: ContextSettings) -> str:
     )
 
 
+def probe_load(path: Path) -> None:
+    """Reads the model file as a load would, then frees it: ModelLoadError when llama.cpp refuses it."""
+    L = _llama()
+    params = L.llama_model_default_params()
+    params.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not load {path}: corrupt or unsupported GGUF")
+    L.llama_model_free(model)
+
+
 class LlamaBackend:
     """One model and one context holding n_seq_max sequences of n_ctx cells each."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ from barreld.engine.llama_backend import LlamaBackend
 from barreld.engine.memory import Memory
 from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
-from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
+from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, MemoryKind, model_name_problem
 
 if TYPE_CHECKING:
@@ -103,6 +104,15 @@ class LoadedModel:
     gpu_layers: int  # layers actually offloaded
 
 
+@dataclass(frozen=True)
+class FailedLoad:
+    """A name whose last load failed, kept so that `barrelctl models` shows why until it loads or is unloaded."""
+
+    name: str
+    path: Path
+    error: str
+
+
 def model_memory(backend: Backend, chunk: int) -> Memory:
     """The loaded model's memory rules; `chunk` is the prefill chunk size, at most n_batch."""
     swa = backend.memory is MemoryKind.SWA
@@ -136,13 +146,18 @@ class ModelRegistry:
         backend_factory: BackendFactory = LlamaBackend,
         *,
         blocks_required: bool = False,
+        load_check: Callable[[Path], None] | None = None,
     ) -> None:
         self.store = store
+        # Run on a model file before the backend opens it in this process (barreld.engine.decodecheck): it
+        # raises ModelLoadError when the file or this llama.cpp build would crash the daemon.
+        self.load_check = load_check
         self.blocks_required = blocks_required  # block_tokens set by the operator: a model it does not fit fails
         self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.base_policy = base_policy
         self.backend_factory = backend_factory
         self._models: dict[str, LoadedModel] = {}
+        self._failed: dict[str, FailedLoad] = {}
         self._lock = threading.RLock()
         self._default: str | None = None
 
@@ -161,7 +176,12 @@ class ModelRegistry:
                 raise FailedPrecondition(
                     f"model {name!r} is already loaded with other settings; run `barrelctl unload {name}` first"
                 )
-            model = self._open(name, path, opts, policy)
+            try:
+                model = self._open(name, path, opts, policy)
+            except BarrelError as exc:
+                self._failed[name] = FailedLoad(name, path, str(exc))
+                raise
+            self._failed.pop(name, None)
             self._models[name] = model
             if self._default is None:
                 self._default = name
@@ -222,6 +242,8 @@ class ModelRegistry:
         blocks = self._blocks_fit(name, policy, policy.chunk_size(opts.n_batch) or opts.n_batch)
         try:
             fingerprint = self._fingerprint(path, opts.fingerprint)
+            if self.load_check is not None:
+                self.load_check(path)
             backend = self.backend_factory(path, settings)
         except (ModelLoadError, ValueError, OSError) as exc:
             raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
@@ -287,6 +309,8 @@ class ModelRegistry:
         with self._lock:
             model = self._models.pop(name, None)
             if model is None:
+                if self._failed.pop(name, None) is not None:
+                    return 0  # a failed load holds nothing: forgetting it is all there is to do
                 raise NotFound(f"model {name!r} is not loaded")
             if self._default == name:
                 self._default = next(iter(self._models), None)
@@ -298,6 +322,11 @@ class ModelRegistry:
     def models(self) -> list[LoadedModel]:
         with self._lock:
             return list(self._models.values())
+
+    def failed(self) -> list[FailedLoad]:
+        """Names whose last load failed and that hold no model."""
+        with self._lock:
+            return list(self._failed.values())
 
     @property
     def default_name(self) -> str | None:

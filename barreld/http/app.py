@@ -83,6 +83,7 @@ class DaemonState:
 
     ready: Callable[[], bool]  # the configured models are loaded
     stopping: Callable[[], bool]
+    previous_death: str | None = None  # how the daemon before this one on the socket died, if it did
 
 
 class HttpApi:
@@ -159,7 +160,10 @@ class HttpApi:
             return JSONResponse({"status": "stopping"}, 503, headers=RETRY_AFTER)
         if not self.state.ready():
             return JSONResponse({"status": "loading"}, 503, headers=RETRY_AFTER)
-        return JSONResponse({"status": "ok"})
+        body = {"status": "ok"}
+        if self.state.previous_death:
+            body["previous_run"] = self.state.previous_death
+        return JSONResponse(body)
 
     async def metrics_text(self, request: Request) -> Response:
         body = await anyio.to_thread.run_sync(self.metrics.render)

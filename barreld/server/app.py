@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from barreld.config import Config
+from barreld.deaths import Death, RunRecord, cause_of_death, remove_record
+from barreld.engine.decodecheck import DecodeCheck
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import BarrelError
 from barreld.pressure.scheduler import PressureScheduler
@@ -39,15 +41,31 @@ class Daemon:
         self.servicer: Servicer | None = None
         self.http: HttpServer | None = None
         self.ready = threading.Event()  # the configured models are loaded
+        self.previous_death: Death | None = None  # how the last daemon on this socket ended, if it died
 
     def start(self) -> None:
         group = grp.getgrnam(self.config.socket_group).gr_gid if self.config.socket_group else None
         self.lock.acquire()
+        try:
+            self._start(group)
+        except BaseException:
+            remove_record(self.socket)
+            raise
+
+    def _take_over_run_record(self) -> None:
+        """Reports how the previous daemon on this socket died, if it did, then records this one."""
+        previous = RunRecord.read(self.socket)
+        if previous is not None and not previous.alive():
+            self.previous_death = cause_of_death(previous)
+            log.warning("the previous run did not stop: %s", self.previous_death.sentence())
+        RunRecord.of_this_process().write(self.socket)
+
+    def _start(self, group: int | None) -> None:
         self.http = self._bind_http(group)
         self.signal.install()
         self.store = self._open_store()
         self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue,
-                                      blocks_required=self.config.block_tokens is not None)
+                                      blocks_required=self.config.block_tokens is not None, load_check=DecodeCheck())
         self.scheduler = self._start_scheduler()
         metrics = Metrics(self.store, self.registry.models)
         self.servicer = Servicer(
@@ -64,6 +82,7 @@ class Daemon:
         )
         self.server = GrpcServer(self.servicer, self.socket, group=group)
         self.server.start()
+        self._take_over_run_record()  # beside the socket, whose directory the server has made
         if self.http is not None:
             self._start_http(metrics)
         self._load_configured_models()
@@ -85,7 +104,8 @@ class Daemon:
     def _start_http(self, metrics: Metrics) -> None:
         from barreld.http.app import DaemonState, HttpApi
 
-        state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.servicer.stopping)
+        death = self.previous_death.sentence() if self.previous_death else None
+        state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.servicer.stopping, previous_death=death)
         api = HttpApi(self.registry, metrics, state, self.config.http.api_keys)
         self.http.start(api.app)
 
@@ -182,5 +202,6 @@ class Daemon:
             self.scheduler.stop()
         if self.store is not None:
             self.store.close()
+        remove_record(self.socket)
         self.lock.release()
         log.info("stopped (%d shutdown saves)", saved)

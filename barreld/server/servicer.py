@@ -183,7 +183,8 @@ class Servicer(pb_grpc.BarrelServicer):
             if isinstance(ev, Started):
                 yield pb.CompleteEvent(
                     started=pb.CompleteStarted(
-                        cache=cache_info(ev.cache), prompt_tokens=ev.prompt_tokens, prompt_key=ev.prompt_key.hex()
+                        cache=cache_info(ev.cache), prompt_tokens=ev.prompt_tokens, prompt_key=ev.prompt_key.hex(),
+                        model=call.model.name,
                     )
                 )
             elif isinstance(ev, Token):
@@ -225,7 +226,9 @@ class Servicer(pb_grpc.BarrelServicer):
     @rpc
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsReply:
         default = self.registry.default_name
-        return pb.ListModelsReply(models=[model_info(m, default) for m in self.registry.models()])
+        failed = [pb.ModelInfo(name=f.name, path=str(f.path), state="failed", error=f.error)
+                  for f in self.registry.failed()]
+        return pb.ListModelsReply(models=[*(model_info(m, default) for m in self.registry.models()), *failed])
 
     def _cache(self) -> CacheStore:
         if self.store is None:
