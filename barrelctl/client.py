@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from barrelctl.errors import ClientError
+from barrelctl.errors import ClientError, DaemonDied
+from barreld.deaths import find_death
 from barreld.engine.chat import Message
 from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from barreld.rpc import barrel_pb2 as pb
 
 READY_TIMEOUT = 60.0
+# How gRPC describes a connection that broke under a call (the daemon's own UNAVAILABLE errors say more).
+BROKEN = ("socket closed", "stream removed", "connection reset", "broken pipe", "failed to connect", "eof")
 MAX_MESSAGE = 64 << 20  # a cache dump of many rows is larger than gRPC's 4 MiB default
 
 
@@ -38,10 +41,33 @@ def _pb() -> Any:
     return barrel_pb2
 
 
+def forbidden(path: Path) -> ClientError | None:
+    """An error naming the socket's owner when this user may not use it (another user's daemon)."""
+    import pwd
+
+    try:
+        st = path.stat()
+        if os.access(path, os.R_OK | os.W_OK):
+            return None
+    except FileNotFoundError:
+        return None
+    except PermissionError:  # a directory on the way is closed to us: its owner is the socket's
+        st = next(p.stat() for p in path.parents if os.access(p, os.F_OK))
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    who = "root" if owner == "root" else f"{owner} or root"
+    return _unreachable(
+        f"cannot use barreld's socket {path}: permission denied (it belongs to {owner}); run barrelctl as {who}, "
+        f"pass --socket to your own daemon's, or ask for a [daemon] socket_group you are in"
+    )
+
+
 def _answers(path: Path, timeout: float = 1.0) -> bool:
     import grpc
 
-    if not path.exists():
+    if not os.access(path, os.F_OK) or forbidden(path) is not None:
         return False
     channel = grpc.insecure_channel(f"unix:{path}")
     try:
@@ -66,14 +92,24 @@ def _unreachable(message: str) -> ClientError:
     return ClientError("UNAVAILABLE", "", message)
 
 
-def _mapped(events: Iterable[Any]) -> Iterator[Any]:
+def call_error(exc: grpc.RpcError, socket: Path, model: str | None = None) -> ClientError:
+    """rpc_error, unless the connection broke because the daemon died: then DaemonDied says of what."""
+    error = rpc_error(exc)
+    if error.status == "UNAVAILABLE" and any(w in error.details.lower() for w in BROKEN):
+        death = find_death(socket, model)
+        if death is not None:
+            return DaemonDied(error.details, death.sentence())
+    return error
+
+
+def _mapped(events: Iterable[Any], socket: Path, model: Callable[[], str | None] = lambda: None) -> Iterator[Any]:
     """The events of a streaming call, a failure part-way mapped like any other."""
     import grpc
 
     try:
         yield from events
     except grpc.RpcError as exc:
-        raise rpc_error(exc) from None
+        raise call_error(exc, socket, model()) from None
 
 
 @dataclass(frozen=True)
@@ -117,14 +153,16 @@ class CompletionStream:
     """A Complete call in flight: iterating yields its Started and Token events as they arrive, `result()`
     waits for its end, `cancel()` ends it early (the daemon then frees its place)."""
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, call: Any, socket: Path, model: str) -> None:
         self._call = call
+        self._socket = socket
+        self._model = model or None  # the daemon names it in Started: an empty request means its default
         self._t0 = time.perf_counter()
         self._first: float | None = None
         self._result: Completion | None = None
 
     def __iter__(self) -> Iterator[Started | Token]:
-        for ev in _mapped(self._call):
+        for ev in _mapped(self._call, self._socket, lambda: self._model):
             kind = ev.WhichOneof("event")
             if kind == "token":
                 if self._first is None:
@@ -132,6 +170,7 @@ class CompletionStream:
                 yield Token(ev.token.text)
             elif kind == "started":
                 s, c = ev.started, ev.started.cache
+                self._model = s.model or self._model
                 yield Started(c.path, c.tier or None, c.restored_tokens, c.prefilled_tokens, s.prompt_tokens,
                               s.prompt_key)
             else:
@@ -226,7 +265,7 @@ class Client:
                                      seed=seed, stop=list(stop), parent_key=parent_key, chat=chat,
                                      messages=[pb.Message(role=m.role, content=m.content) for m in messages],
                                      chat_template=chat_template)
-        return CompletionStream(self._call("Complete", request, timeout))
+        return CompletionStream(self._call("Complete", request, timeout), self.socket, model)
 
     def load(
         self,
@@ -283,7 +322,7 @@ class Client:
     ) -> pb.CacheVerifyResult:
         """Re-reads every row (the daemon drops bad ones); `progress(done, total)` as it goes."""
         result = None
-        for ev in _mapped(self._call("CacheVerify", _pb().CacheVerifyRequest(), timeout)):
+        for ev in _mapped(self._call("CacheVerify", _pb().CacheVerifyRequest(), timeout), self.socket):
             if ev.WhichOneof("event") == "result":
                 result = ev.result
             elif progress is not None:
@@ -309,7 +348,7 @@ class Client:
         try:
             return getattr(stub, method)(request, timeout=timeout)
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise call_error(exc, self.socket) from None
 
     # ---- finding the daemon -------------------------------------------------------------------------
 
@@ -328,6 +367,8 @@ class Client:
         if not _answers(self.socket):
             if not self.explicit and _answers(SYSTEM_SOCKET):
                 self.socket = SYSTEM_SOCKET
+            elif (refused := forbidden(self.socket)) is not None:
+                raise refused
             elif self.autostart:
                 self._start_daemon()
             else:
@@ -351,8 +392,8 @@ class Client:
             log_path = sock_dir / "barreld.log"
             with open(log_path, "ab") as log:
                 os.chmod(log_path, 0o600)
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "barreld", "--socket", str(self.socket)],
+                proc = subprocess.Popen(  # under a watcher that logs how it ends (barreld.supervise)
+                    [sys.executable, "-m", "barreld.supervise", "--socket", str(self.socket)],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,

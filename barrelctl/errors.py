@@ -33,3 +33,13 @@ class ClientError(CliError):
         super().__init__(message or details or status.lower(), exit_code_for(status))
         self.status = status
         self.details = details
+
+
+class DaemonDied(ClientError):
+    """A call broke because the daemon died: the message says of what, where it was, and where its log is.
+    The status stays UNAVAILABLE (the daemon is gone) but the exit code is 1: the operation failed, and
+    starting another daemon does not help until the cause is dealt with."""
+
+    def __init__(self, details: str, sentence: str) -> None:
+        super().__init__("UNAVAILABLE", details, sentence)
+        self.code = EXIT_FAILED
