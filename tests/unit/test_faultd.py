@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from barreld.cache import TierWriteError
 from barreld.cache import tiers as tiers_mod
 from barreld.cache.tiers import FileTier
 from barreld.engine.model_cache import ModelCache
-from tests.faultd import install, parse_fault
+from tests.faultd import install, parse_check_death, parse_fault, parse_nth_decode
 
 
 def test_fault_specs_name_a_tier_and_an_errno() -> None:
@@ -22,6 +23,17 @@ def test_fault_specs_name_a_tier_and_an_errno() -> None:
     for bad in ("floppy:EIO", "disk:ENOSUCH", "disk:errorcode", ":EIO", ""):
         with pytest.raises(ValueError):
             parse_fault(bad)
+
+
+def test_death_specs_name_a_count_or_a_glob_and_a_signal() -> None:
+    assert parse_nth_decode("5:SIGILL") == (5, signal.SIGILL)
+    assert parse_check_death("SIGABRT:doomed*.gguf") == (signal.SIGABRT, "doomed*.gguf")
+    for bad in ("0:SIGILL", "x:SIGILL", "5:SIGNOPE", "5"):
+        with pytest.raises(ValueError):
+            parse_nth_decode(bad)
+    for bad in ("SIGILL", "SIGILL:", "ILL:x.gguf"):
+        with pytest.raises(ValueError):
+            parse_check_death(bad)
 
 
 def test_a_bad_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
