@@ -442,6 +442,8 @@ def test_unit_runs_barreld_as_the_contract_says() -> None:
     assert argv[1:] == ["--socket", str(SYSTEM_SOCKET), "--data-dir", "/var/lib/barrel"]
     assert s["Service.RuntimeDirectory"] == "barrel" == SYSTEM_SOCKET.parent.name
     assert s["Service.StateDirectory"] == "barrel"
+    # The decode checks that passed are remembered where the service may write (barreld.engine.decodecheck).
+    assert s["Service.CacheDirectory"] == "barrel" and s["Service.Environment"] == "XDG_CACHE_HOME=%C"
     assert s["Service.User"] == "barrel" or s.get("Service.DynamicUser") == "yes"
     assert s["Service.KillSignal"] == "SIGTERM"
     # Shutdown saves are each bounded by evict_save_timeout_ms; then the writers flush.
