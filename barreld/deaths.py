@@ -83,7 +83,8 @@ class RunRecord:
     def write(self, socket: Path) -> None:
         path = record_path(socket)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # private, as the socket
+            f.write(json.dumps(asdict(self)))
         os.replace(tmp, path)
 
     @classmethod

@@ -6,7 +6,8 @@
     --drop-async-saves          every background save is dropped, as a full writer queue would drop it, so
                                 the synchronous evict and shutdown saves that recover such states are tested
     --die-in-decode N:SIGNAL    the Nth llama.cpp decode (1 is the warm-up at load) sends SIGNAL (a name such
-                                as SIGILL) to the daemon, as a crash inside llama.cpp would
+                                as SIGILL) to the daemon, as a crash inside llama.cpp would, half a second
+                                after it was called (so what was streamed before it reaches the client)
     --decode-check-dies SIGNAL:GLOB
                                 the load-time decode check of a model file whose name matches GLOB runs a
                                 stand-in child that reads nothing, says it loaded, and dies of SIGNAL
@@ -24,6 +25,7 @@ import fnmatch
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +85,7 @@ def die_in_decode(n: int, signum: signal.Signals) -> None:
     def dying(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == n:
+            time.sleep(0.5)  # the tokens sampled before it reach the client first, however busy the machine
             os.kill(os.getpid(), signum)
         return decode(self, *args, **kwargs)
 
