@@ -284,6 +284,7 @@ class Client:
         type_k: str = "",
         type_v: str = "",
         swa_full: bool | None = None,
+        aliases: Sequence[str] = (),
         timeout: float | None = None,
     ) -> pb.ModelInfo:
         """Loads a model under `name`; an empty, zero or None field takes the daemon's default."""
@@ -291,7 +292,7 @@ class Client:
                                    ("flash_attn", flash_attn), ("swa_full", swa_full)) if v is not None}
         request = _pb().LoadModelRequest(name=name, path=path, tier=tier, n_ctx=n_ctx, n_batch=n_batch,
                                          n_seq_max=n_seq_max, policy=dict(policy or {}), fingerprint=fingerprint,
-                                         type_k=type_k, type_v=type_v, **knobs)
+                                         type_k=type_k, type_v=type_v, aliases=list(aliases), **knobs)
         return self._call("LoadModel", request, timeout)
 
     def unload(self, name: str, *, timeout: float | None = None) -> int:

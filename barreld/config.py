@@ -33,6 +33,7 @@ from barreld.names import (
     PLAIN_KV_TYPES,
     REDIS_TIER,
     TIER_NAMES,
+    alias_problem,
     model_name_problem,
 )
 from barreld.pressure.scheduler import check_watermarks
@@ -103,6 +104,7 @@ class ModelConfig:
     type_k: str | None = None
     type_v: str | None = None
     swa_full: bool | None = None
+    aliases: tuple[str, ...] = ()  # glob patterns of the names clients may send for this model
 
     def knobs(self) -> dict[str, Any]:
         """The context knobs this entry sets, by LoadOptions' names (the others keep their defaults)."""
@@ -369,6 +371,7 @@ class _Reader:
                 "missing: fingerprint = 'fast_unsafe' needs the operator's digest",
             )
         overrides = self.table(entry, "policy", None, f"{key}.policy")
+        aliases = self.aliases(entry.get("aliases", []), f"{key}.aliases")
         return ModelConfig(
             name=name,
             path=path,
@@ -376,9 +379,19 @@ class _Reader:
             fingerprint=fingerprint,
             fingerprint_digest=digest,
             policy=self.policy(policy, overrides, f"{key}.policy"),
+            aliases=aliases,
             **sizes,
             **self.knobs(entry, key),
         )
+
+    def aliases(self, value: object, key: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            self.fail(key, f"expected an array of glob patterns, got {value!r}")
+        for pattern in value:
+            problem = alias_problem(self.string(pattern, key))
+            if problem:
+                self.fail(key, f"bad alias {pattern[:40]!r}: {problem}")
+        return tuple(value)
 
     def knobs(self, entry: dict[str, Any], key: str) -> dict[str, Any]:
         """A model's threading, offload and KV cache settings: the ones it gives, checked."""

@@ -78,3 +78,15 @@ def model_name_problem(name: str) -> str | None:
     if MODEL_NAME.fullmatch(name):
         return None
     return f"use {MODEL_NAME_RULE}"
+
+
+# A model's aliases are glob patterns (fnmatch: * ? [...]) over the names clients send, such as
+# "claude-*" for an agent that asks for its own model: those names hold '/', ':' and '@' too.
+ALIAS_MAX = 128
+ALIAS = re.compile(rf"[A-Za-z0-9._:/@*?\[\]-]{{1,{ALIAS_MAX}}}", re.ASCII)
+ALIAS_RULE = f"a glob pattern of letters, digits and . _ : / @ - * ? [ ], {ALIAS_MAX} characters at most"
+
+
+def alias_problem(pattern: str) -> str | None:
+    """Why `pattern` cannot be a model's alias, or None when it can."""
+    return None if ALIAS.fullmatch(pattern) else f"use {ALIAS_RULE}"

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from barrelctl.sandbox import Sandbox
+from barreld.engine.registry import bundled_model_path
 from tests.test_cache_paths import CHUNK, NO_SAVES, POLICY, doc
 
 pytestmark = pytest.mark.model
@@ -112,6 +113,23 @@ def test_the_async_sdk_streams_what_it_gets_whole(warm: Daemon) -> None:
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == whole.usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens > 0   # the same prompt again: warm
+
+
+def test_an_agents_own_model_name_reaches_the_model_with_a_matching_alias(cold: Daemon) -> None:
+    box = cold.box
+    path = str(bundled_model_path("smollm2"))
+    loaded = box.ctl("--no-autostart", "--json", "load", "agent", "--path", path, "--alias", "claude-*")
+    assert loaded.rc == 0 and loaded.json()["aliases"] == ["claude-*"], loaded.err
+    try:
+        messages = [{"role": "user", "content": "Say hello."}]
+        reply = cold.sdk().chat.completions.create(model="claude-opus-5-5", messages=messages, max_tokens=4)
+        assert reply.model == "agent" and reply.usage.completion_tokens == 4
+        with pytest.raises(openai.NotFoundError, match="unknown model 'gpt-4o'"):
+            cold.sdk().chat.completions.create(model="gpt-4o", messages=messages, max_tokens=4)
+        bad = box.ctl("--no-autostart", "load", "other", "--path", path, "--alias", "claude opus")
+        assert bad.rc == 2 and "bad --alias 'claude opus'" in bad.err
+    finally:
+        assert box.ctl("--no-autostart", "unload", "agent").rc == 0
 
 
 def sse(resp: http.client.HTTPResponse) -> Iterator[bytes]:

@@ -10,7 +10,7 @@ import typer
 from barrelctl import render, state
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
-from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, alias_problem
 
 NThreads = Annotated[int | None, typer.Option("--n-threads", help="CPU threads (default: the usable cores).")]
 NGpuLayers = Annotated[
@@ -62,6 +62,7 @@ def model_json(m) -> dict:
         "swa_full": m.swa_full,
         "prefill_chunk": m.prefill_chunk,
         "error": m.error,
+        "aliases": list(m.aliases),
     }
 
 
@@ -119,11 +120,20 @@ def model_load(
     type_k: TypeK = None,
     type_v: TypeV = None,
     swa_full: SwaFull = None,
+    alias: Annotated[
+        list[str] | None,
+        typer.Option("--alias", help="Another name clients may ask for it by, a glob pattern such as 'claude-*' "
+                     "(repeatable)."),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a model under NAME."""
     _check_context(tier, n_ctx, n_batch, n_seq_max)
     _check_knobs(n_threads, n_gpu_layers, flash_attn, type_k, type_v)
+    for pattern in alias or []:
+        problem = alias_problem(pattern)
+        if problem:
+            raise CliError(f"bad --alias {pattern[:40]!r}: {problem}", EXIT_USAGE)
     resolved = str(path.expanduser().resolve()) if path else ""
     info = state.client().load(
         name,
@@ -139,6 +149,7 @@ def model_load(
         type_k=type_k or "",
         type_v=type_v or "",
         swa_full=swa_full,
+        aliases=alias or (),
     )
     if state.want_json(json_out):
         render.print_json(model_json(info))

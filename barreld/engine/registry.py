@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from barreld.engine.memory import Memory
 from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument, NotFound
-from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, MemoryKind, model_name_problem
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, MemoryKind, alias_problem, model_name_problem
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
@@ -76,6 +77,7 @@ class LoadOptions:
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
+    aliases: tuple[str, ...] = ()  # glob patterns of other names clients may ask for it by
 
 
 def check_model_knobs(opts: LoadOptions) -> None:
@@ -219,6 +221,10 @@ class ModelRegistry:
                 f"sequences plus prefill room, so at least {opts.n_seq_max + 8}"
             )
         check_model_knobs(opts)
+        for pattern in opts.aliases:
+            problem = alias_problem(pattern)
+            if problem:
+                raise InvalidArgument(f"bad alias {pattern[:40]!r}: {problem}")
         try:
             return self.base_policy.with_overrides(opts.policy)
         except ValueError as exc:
@@ -294,11 +300,14 @@ class ModelRegistry:
         return fingerprint_gguf(path, mode)
 
     def get(self, name: str) -> LoadedModel:
-        """The named model, or with an empty name the default one, loading the bundled default if needed."""
+        """The named model, or with an empty name the default one, loading the bundled default if needed; a
+        name no model has goes to the first loaded model with an alias that matches it."""
         with self._lock:
             if not name:
                 name = self._default or DEFAULT_MODEL
-            model = self._models.get(name)
+            model = self._models.get(name) or next(
+                (m for m in self._models.values() if any(fnmatchcase(name, a) for a in m.options.aliases)), None
+            )
             if model is not None:
                 return model
             if name in BUNDLED:

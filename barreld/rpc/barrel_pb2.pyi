@@ -115,7 +115,7 @@ class CompleteEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[CompleteStarted, _Mapping]] = ..., token: _Optional[_Union[CompleteToken, _Mapping]] = ..., done: _Optional[_Union[CompleteDone, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full")
+    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "aliases")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class LoadModelRequest(_message.Message):
     TYPE_K_FIELD_NUMBER: _ClassVar[int]
     TYPE_V_FIELD_NUMBER: _ClassVar[int]
     SWA_FULL_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     tier: str
@@ -151,10 +152,11 @@ class LoadModelRequest(_message.Message):
     type_k: str
     type_v: str
     swa_full: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk", "error")
+    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk", "error", "aliases")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class ModelInfo(_message.Message):
     SWA_FULL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     fingerprint: str
@@ -214,7 +217,8 @@ class ModelInfo(_message.Message):
     swa_full: bool
     prefill_chunk: int
     error: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnloadModelRequest(_message.Message):
     __slots__ = ("name",)

@@ -152,6 +152,7 @@ class Daemon:
                 n_seq_max=m.n_seq_max or 1,
                 policy=m.policy.as_dict(),
                 fingerprint=fp,
+                aliases=m.aliases,
                 **m.knobs(),
             )
             try:

@@ -116,6 +116,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         type_v=m.options.type_v,
         swa_full=m.memory.swa_full,
         prefill_chunk=m.memory.chunk,
+        aliases=list(m.options.aliases),
     )
 
 
@@ -211,6 +212,7 @@ class Servicer(pb_grpc.BarrelServicer):
             type_k=request.type_k or base.type_k,
             type_v=request.type_v or base.type_v,
             swa_full=request.swa_full if request.HasField("swa_full") else base.swa_full,
+            aliases=tuple(request.aliases) or base.aliases,
         )
         for what, value in (("n_ctx", request.n_ctx), ("n_batch", request.n_batch), ("n_seq_max", request.n_seq_max)):
             if value < 0:

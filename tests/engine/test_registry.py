@@ -50,6 +50,20 @@ def test_fingerprint_modes(registry: ModelRegistry, tmp_path: Path, mode: str, e
     assert registry.load("a", opts(path, fingerprint=mode)).fingerprint == expected(path)
 
 
+def test_a_name_no_model_has_goes_to_the_first_model_whose_alias_matches(
+    registry: ModelRegistry, tmp_path: Path
+) -> None:
+    a = registry.load("a", opts(write_gguf(tmp_path / "a.gguf", "a"), aliases=("claude-*", "gpt-4o")))
+    b = registry.load("b", opts(write_gguf(tmp_path / "b.gguf", "b"), aliases=("*",)))
+    assert registry.get("claude-opus-5-5") is a and registry.get("gpt-4o") is a
+    assert registry.get("b") is b and registry.get("gpt-4o-mini") is b  # a's patterns match whole names only
+    registry.unload("b")
+    with pytest.raises(NotFound, match="unknown model 'gpt-4'"):
+        registry.get("gpt-4")
+    with pytest.raises(InvalidArgument, match="bad alias 'claude opus'"):
+        registry.load("c", opts(write_gguf(tmp_path / "c.gguf", "c"), aliases=("claude opus",)))
+
+
 def test_the_first_model_is_the_default_until_it_is_unloaded(registry: ModelRegistry, tmp_path: Path) -> None:
     a = registry.load("a", opts(write_gguf(tmp_path / "a.gguf", "a")))
     b = registry.load("b", opts(write_gguf(tmp_path / "b.gguf", "b")))

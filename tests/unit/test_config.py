@@ -170,6 +170,13 @@ def test_values_are_read(tmp_path: Path) -> None:
                              "type_v": "q4_0", "swa_full": False}
 
 
+def test_a_models_aliases_are_read(tmp_path: Path) -> None:
+    (tmp_path / "b.gguf").touch()
+    config = load(tmp_path, "[[models]]\nname = 'smollm2'\naliases = ['claude-*', 'gpt-4o']\n[[models]]\nname = 'b'\n"
+                  f"path = '{tmp_path / 'b.gguf'}'\n")
+    assert [m.aliases for m in config.models] == [("claude-*", "gpt-4o"), ()]
+
+
 def test_config_is_frozen(tmp_path: Path) -> None:
     config = load(tmp_path, CONTRACT_EXAMPLE)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -224,6 +231,9 @@ BAD = [
     ("[[models]]\nname = 'smollm2'\npolicy = { nope = 1 }", "models[0].policy.nope", "unknown policy key"),
     ("[tiers.nvme]\nquota = '1G'", "tiers.nvme", "unknown key"),
     ("[[models]]\nname = 'smollm2'\ntier = 'nvme'", "models[0].tier", "unknown tier 'nvme'"),
+    ("[[models]]\nname = 'smollm2'\naliases = 'claude-*'", "models[0].aliases", "array of glob patterns"),
+    ("[[models]]\nname = 'smollm2'\naliases = ['claude *']", "models[0].aliases", "bad alias 'claude *'"),
+    ("[[models]]\nname = 'smollm2'\naliases = [1]", "models[0].aliases", "expected a string"),
     ("[scheduler]\nevict_tiers = ['ram', 'gpu']", "scheduler.evict_tiers", "unknown tier 'gpu'"),
     ("[scheduler]\nevict_tiers = []", "scheduler.evict_tiers", "non-empty list"),
     ("[scheduler]\nevict_tiers = 'ram'", "scheduler.evict_tiers", "non-empty list"),
