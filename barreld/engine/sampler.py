@@ -56,7 +56,7 @@ class Sampler:
             L.llama_sampler_chain_add(self._chain, stage)
         self._grammar = self._grammar_sampler(params.grammar, vocab) if params.grammar else None
         self._data = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-        self._data["id"] = np.arange(n_vocab, dtype=np.int32)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
         self._ptr = self._data.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
         self._one = (L.llama_token_data * 1)()
         self._arr = L.llama_token_data_array(self._ptr, n_vocab, -1, False)
@@ -127,6 +127,7 @@ class Sampler:
 
     def _draw(self, logits: np.ndarray, grammar_first: bool) -> int:
         L, arr = self._L, self._arr
+        self._data["id"] = self._ids  # the stages sort the array in place: every draw starts afresh
         self._data["logit"] = logits
         arr.data, arr.size, arr.selected, arr.sorted = self._ptr, logits.shape[0], -1, False
         if grammar_first:
