@@ -1,10 +1,14 @@
-"""The sampler's options, shared by `complete` and `chat`: checked here by the daemon's own rules (a bad value
-exits 2 naming the option, before any daemon is asked), then sent as the request's Sampling fields."""
+"""The sampler's options, shared by `complete` and `chat` (`with_sampling` adds them to a command): checked here
+by the daemon's own rules (a bad value exits 2 naming the option, before any daemon is asked), then sent as the
+request's Sampling fields."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,42 +18,51 @@ from barrelctl.errors import EXIT_USAGE, CliError
 from barreld.engine.sampling import SamplingParams
 from barreld.errors import InvalidArgument
 
-TopK = Annotated[int | None, typer.Option("--top-k", help="Keep only the K likeliest tokens (0: off).",
-                                          show_default=False)]
-TopP = Annotated[float | None, typer.Option("--top-p", help="Keep the likeliest tokens whose probabilities add up "
-                                            "to P (0 < P <= 1; 1: off).", show_default=False)]
-MinP = Annotated[float | None, typer.Option("--min-p", help="Drop tokens less likely than P times the likeliest "
-                                            "(0..1; 0: off).", show_default=False)]
-TypicalP = Annotated[float | None, typer.Option("--typical-p", help="Locally typical sampling with mass P "
-                                                "(0 < P <= 1; 1: off).", show_default=False)]
-RepeatPenalty = Annotated[float | None, typer.Option("--repeat-penalty", help="Make recent tokens less likely by "
-                                                     "this factor (1: off).", show_default=False)]
-RepeatLastN = Annotated[int | None, typer.Option("--repeat-last-n", help="Recent tokens the penalties look back "
-                                                 "over, the prompt's included (default 64).", show_default=False)]
-PresencePenalty = Annotated[float | None, typer.Option("--presence-penalty", help="Lower the logit of each recent "
-                                                       "token by this (-2..2).", show_default=False)]
-FrequencyPenalty = Annotated[float | None, typer.Option("--frequency-penalty", help="Lower each recent token's "
-                                                        "logit by this times its count (-2..2).", show_default=False)]
-LogitBias = Annotated[list[str] | None, typer.Option("--logit-bias", metavar="TOKEN=BIAS", show_default=False,
-                                                     help="Add BIAS (-100..100) to token id TOKEN's logit; -100 "
-                                                          "keeps it out (repeatable).")]
-JsonSchema = Annotated[Path | None, typer.Option("--json-schema", metavar="FILE", show_default=False,
-                                                 help="The reply is JSON that validates against this JSON "
-                                                      "Schema file.")]
-Grammar = Annotated[Path | None, typer.Option("--grammar", metavar="FILE", show_default=False,
-                                              help="The reply matches this GBNF grammar file (start rule root).")]
-NUMERIC = ("top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-           "frequency_penalty")
-_FIELD = re.compile(r"\bbad (" + "|".join(NUMERIC) + r"|logit_bias)\b")
+SPECS: tuple[tuple[str, Any, str | None, str], ...] = (  # name, type, metavar, help
+    ("top_k", int, None, "Keep only the K likeliest tokens (0: off)."),
+    ("top_p", float, None, "Keep the likeliest tokens whose probabilities add up to P (0 < P <= 1; 1: off)."),
+    ("min_p", float, None, "Drop tokens less likely than P times the likeliest (0..1; 0: off)."),
+    ("typical_p", float, None, "Locally typical sampling with mass P (0 < P <= 1; 1: off)."),
+    ("repeat_penalty", float, None, "Make recent tokens less likely by this factor (1: off)."),
+    ("repeat_last_n", int, None, "Recent tokens the penalties look back over, the prompt's included (default 64)."),
+    ("presence_penalty", float, None, "Lower the logit of each recent token by this (-2..2)."),
+    ("frequency_penalty", float, None, "Lower each recent token's logit by this times its count (-2..2)."),
+    ("logit_bias", list[str], "TOKEN=BIAS", "Add BIAS (-100..100) to token id TOKEN's logit; -100 keeps it out "
+                                            "(repeatable)."),
+    ("json_schema", Path, "FILE", "The reply is JSON that validates against this JSON Schema file."),
+    ("grammar", Path, "FILE", "The reply matches this GBNF grammar file (start rule root)."),
+)
+OPTIONS = {
+    name: Annotated[kind | None, typer.Option("--" + name.replace("_", "-"), metavar=metavar, help=text,
+                                              show_default=False)]
+    for name, kind, metavar, text in SPECS
+}
+NUMERIC = tuple(OPTIONS)[:8]
+_FIELD = re.compile(r"\bbad (" + "|".join(NUMERIC) + r"|logit_bias|temperature|seed)\b")
 
 
-def sampling_request(
-    temperature: float, seed: int | None, numeric: dict[str, Any], bias: list[str] | None,
-    json_schema: Path | None, grammar: Path | None,
-) -> dict[str, Any]:
+def with_sampling(command: Callable[..., None]) -> Callable[..., None]:
+    """Adds the sampler's options to `command`, which takes `temperature`, `seed` and `sampling`: the Sampling
+    message's fields for the options given, checked."""
+    sig = inspect.signature(command, eval_str=True)
+    kept = [p for p in sig.parameters.values() if p.name != "sampling"]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    added = [inspect.Parameter(n, keyword, default=None, annotation=a) for n, a in OPTIONS.items()]
+
+    @functools.wraps(command)
+    def run(**kwargs: Any) -> None:
+        given = {name: kwargs.pop(name) for name in OPTIONS}
+        command(**kwargs, sampling=sampling_request(kwargs["temperature"], kwargs.get("seed"), given))
+
+    run.__signature__ = sig.replace(parameters=[*kept, *added])
+    return run
+
+
+def sampling_request(temperature: float, seed: int | None, given: dict[str, Any]) -> dict[str, Any]:
     """The Sampling message's fields for the options given; CliError (exit 2) names the first bad one."""
-    fields = {k: v for k, v in numeric.items() if v is not None}
-    logit_bias = dict(_bias(item) for item in bias or ())
+    fields = {k: given[k] for k in NUMERIC if given.get(k) is not None}
+    logit_bias = dict(_bias(item) for item in given.get("logit_bias") or ())
+    json_schema, grammar = given.get("json_schema"), given.get("grammar")
     if grammar is not None:
         fields["grammar"] = _read(grammar, "--grammar")
     if json_schema is not None:

@@ -19,20 +19,7 @@ from barrelctl import render, state
 from barrelctl.commands.complete import check_sampling
 from barrelctl.conversation import read_messages, write_messages
 from barrelctl.errors import EXIT_UNREACHABLE, EXIT_USAGE, ClientError, CliError
-from barrelctl.sampling import (
-    FrequencyPenalty,
-    Grammar,
-    JsonSchema,
-    LogitBias,
-    MinP,
-    PresencePenalty,
-    RepeatLastN,
-    RepeatPenalty,
-    TopK,
-    TopP,
-    TypicalP,
-    sampling_request,
-)
+from barrelctl.sampling import with_sampling
 from barreld.engine.chat import Message
 
 PROMPT = ">>> "
@@ -159,6 +146,7 @@ def piped_lines() -> Iterator[str]:
         yield line.rstrip("\r\n")
 
 
+@with_sampling
 def chat_run(
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="Model name (default: the default model, loaded if needed).")
@@ -172,29 +160,16 @@ def chat_run(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per reply (1..n_ctx).")] = 512,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")] = 0.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..4294967295).")] = None,
-    top_k: TopK = None,
-    top_p: TopP = None,
-    min_p: MinP = None,
-    typical_p: TypicalP = None,
-    repeat_penalty: RepeatPenalty = None,
-    repeat_last_n: RepeatLastN = None,
-    presence_penalty: PresencePenalty = None,
-    frequency_penalty: FrequencyPenalty = None,
-    logit_bias: LogitBias = None,
-    json_schema: JsonSchema = None,
-    grammar: Grammar = None,
+    sampling: dict[str, Any] | None = None,
 ) -> None:
     """Hold a conversation: each line you type is a user message, the reply streams back."""
     check_sampling(max_tokens, temperature, seed)
-    numeric = dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty,
-                   repeat_last_n=repeat_last_n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-    sampling = sampling_request(temperature, seed, numeric, logit_bias, json_schema, grammar)
     if state.options.json:
         raise CliError("chat has no JSON output; use `complete --messages FILE` in scripts", EXIT_USAGE)
     interactive = sys.stdin.isatty()
     if resume == "-":
         raise CliError("--resume needs a file: stdin carries the conversation's new messages", EXIT_USAGE)
-    session = Session(model or "", max_tokens, temperature, interactive, seed=seed, sampling=sampling)
+    session = Session(model or "", max_tokens, temperature, interactive, seed=seed, sampling=sampling or {})
     if resume is not None:
         session.messages = list(read_messages(resume))
     if system is not None:

@@ -11,21 +11,9 @@ from barrelctl import render, state
 from barrelctl.client import Completion
 from barrelctl.conversation import read_messages
 from barrelctl.errors import EXIT_USAGE, CliError
-from barrelctl.sampling import (
-    FrequencyPenalty,
-    Grammar,
-    JsonSchema,
-    LogitBias,
-    MinP,
-    PresencePenalty,
-    RepeatLastN,
-    RepeatPenalty,
-    TopK,
-    TopP,
-    TypicalP,
-    sampling_request,
-)
+from barrelctl.sampling import with_sampling
 from barrelctl.state import JsonOpt
+from barreld.engine.sampling import MAX_LOGPROBS
 
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop when this string is generated (repeatable).")]
 ParentKey = Annotated[
@@ -88,6 +76,7 @@ def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> Non
         raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
 
 
+@with_sampling
 def complete_run(
     prompt: Annotated[
         str | None, typer.Argument(help="The prompt; '-' or absent reads stdin.", show_default=False)
@@ -104,27 +93,14 @@ def complete_run(
         bool, typer.Option("--chat", help="Render PROMPT as one user turn through the model's chat template.")
     ] = False,
     messages_file: MessagesFile = None,
-    top_k: TopK = None,
-    top_p: TopP = None,
-    min_p: MinP = None,
-    typical_p: TypicalP = None,
-    repeat_penalty: RepeatPenalty = None,
-    repeat_last_n: RepeatLastN = None,
-    presence_penalty: PresencePenalty = None,
-    frequency_penalty: FrequencyPenalty = None,
-    logit_bias: LogitBias = None,
-    json_schema: JsonSchema = None,
-    grammar: Grammar = None,
     logprobs: Logprobs = None,
     json_out: JsonOpt = False,
+    sampling: dict[str, Any] | None = None,
 ) -> None:
     """Stream a completion of PROMPT (or of a conversation, --messages) to stdout."""
     check_sampling(max_tokens, temperature, seed)
-    numeric = dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty,
-                   repeat_last_n=repeat_last_n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-    sampling = sampling_request(temperature, seed, numeric, logit_bias, json_schema, grammar)
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise CliError(f"bad --logprobs {logprobs}: expected 0..20", EXIT_USAGE)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise CliError(f"bad --logprobs {logprobs}: expected 0..{MAX_LOGPROBS}", EXIT_USAGE)
     as_json = state.want_json(json_out)
     if messages_file is not None and prompt is not None:
         raise CliError("pass either PROMPT or --messages, not both", EXIT_USAGE)
