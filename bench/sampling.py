@@ -1,7 +1,7 @@
 """Structured output and the sampler chain on the bundled model: generation speed with a JSON schema against
 unconstrained, and what llama.cpp's sampler chain costs per token against the numpy sampler it replaced.
 
-Run from the repository root: `python -m bench.sampling` (about three minutes on two cores). It prints its
+Run from the repository root: `python -m bench.sampling` (under a minute on two cores). It prints its
 tables and writes them as the `sampling` section of bench/RESULTS.md, leaving the rest of the file alone.
 
 1. The engine in this process (no cache store), one model: the same JSON-asking chat prompts generated with

@@ -59,6 +59,7 @@ def prose(n_words: int, seed: int) -> bytes:
 class Reply:
     started: Started | None = None
     streamed: bytes = b""
+    streamed_logprobs: tuple = ()  # the Token events' entries, in order
     done: Done | None = None
     error: Exception | None = None
 
@@ -82,6 +83,7 @@ def collect(req: Request) -> Reply:
             reply.started = ev
         elif isinstance(ev, Token):
             reply.streamed += ev.text
+            reply.streamed_logprobs += ev.logprobs
         elif isinstance(ev, Done):
             reply.done = ev
             return reply
