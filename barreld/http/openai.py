@@ -57,19 +57,21 @@ class ApiRequest:
     prompt: bytes
     messages: tuple[Message, ...]
     max_tokens: int | None
-    sampling: SamplingParams
+    sampling: SamplingParams  # without its grammar, which `params` adds off the event loop
+    constraint: tuple[str, object, bool]  # GBNF, JSON schema, any JSON object: frontend.constraint's arguments
     logprobs: int | None  # None: not asked for; N: N alternatives per token
     stop: tuple[str, ...]
     parent_key: str
 
     def params(self, n_ctx: int) -> CompletionParams:
-        """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx."""
+        """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx. A grammar is
+        parsed here, on the call's own thread: a client's GBNF is parsed in a child process first."""
         return completion_params(
             n_ctx=n_ctx,
             prompt=self.prompt,
             messages=self.messages,
             max_tokens=n_ctx if self.max_tokens is None else self.max_tokens,
-            sampling=self.sampling,
+            sampling=dataclasses.replace(self.sampling, grammar=constraint(*self.constraint)),
             logprobs=self.logprobs,
             stop=self.stop,
             parent_key=self.parent_key,
@@ -100,6 +102,7 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         messages=_messages(body) if chat else (),
         max_tokens=max_tokens,
         sampling=_sampling(body),
+        constraint=(body.get("grammar", str, "a string of GBNF") or "", *_response_format(body)),
         logprobs=_logprobs(body, chat),
         stop=_stop(body),
         parent_key=body.get("parent_key", str, "a string of 64 hex digits") or "",
@@ -122,7 +125,6 @@ def _sampling(body: Body) -> SamplingParams:
         temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
         seed=body.get("seed", int, "an integer"),
         logit_bias=_logit_bias(body),
-        grammar=constraint(body.get("grammar", str, "a string of GBNF") or "", *_response_format(body)),
         **{name: value for name, value in given.items() if value is not None},
     )
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from barreld.cache.errors import IndexWriteError
 from barreld.engine.chat import Message
+from barreld.engine.gbnf import check_gbnf
 from barreld.engine.grammar import JSON_OBJECT, schema_grammar
 from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed, Started, Token
@@ -95,11 +96,14 @@ def completion_params(
 
 
 def constraint(grammar: str = "", json_schema: object = None, json_object: bool = False) -> str:
-    """The GBNF a reply must match, from at most one of: GBNF text, a JSON schema, "any JSON object"."""
+    """The GBNF a reply must match, from at most one of: GBNF text (parsed safely first), a JSON schema, "any
+    JSON object"."""
     if sum((bool(grammar), json_schema is not None, json_object)) > 1:
         raise InvalidArgument("send at most one of a grammar, a JSON schema and a JSON object format")
     if json_object:
         return schema_grammar(JSON_OBJECT)
+    if grammar:
+        check_gbnf(grammar)
     return grammar if json_schema is None else schema_grammar(json_schema)
 
 
