@@ -3,7 +3,7 @@
 llama.cpp's grammar parser answers NULL to most bad grammars, but some make it allocate without bound and then
 abort (a repetition `{3,1}` did): in the daemon that would take every model down. The child runs under a
 memory limit and a deadline; what it says of a grammar is remembered by digest, so a grammar sent again costs
-nothing. Grammars Barrel writes itself (from a JSON schema) need no child.
+nothing. Grammars written from a JSON schema go through it too: a schema's pattern becomes GBNF.
 
 `python -m barreld.engine.gbnf` is the child: the grammar on stdin; exit 0 when it parses, 1 when llama.cpp
 refuses it (its reason on stderr); anything else means the parser died.
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+from barreld.engine.sampling import MAX_GRAMMAR
 from barreld.errors import InvalidArgument
 
 CHILD_MEMORY = 1 << 30  # bytes of heap: a grammar that needs more is refused
@@ -31,6 +32,8 @@ _verdicts: collections.OrderedDict[bytes, str | None] = collections.OrderedDict(
 
 def check_gbnf(text: str) -> None:
     """InvalidArgument naming what is wrong unless llama.cpp parses `text` (start rule `root`) safely."""
+    if len(text) > MAX_GRAMMAR:
+        raise InvalidArgument(f"the grammar is {len(text)} characters; at most {MAX_GRAMMAR}")
     key = hashlib.sha256(text.encode()).digest()
     with _lock:
         known = key in _verdicts

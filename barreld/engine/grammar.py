@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from barreld.errors import InvalidArgument
@@ -32,6 +33,7 @@ SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 JSON_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_DEPTH = 32
+MAX_COUNT = 1000  # the most repetitions of a string's characters, an array's items or a pattern's atom
 FRACTION = '("." [0-9]{1,15})?'
 
 
@@ -66,6 +68,7 @@ def _check_supported(schema: object, where: str, depth: int) -> None:
         raise InvalidArgument(f"unsupported format {schema['format']!r} at {where}; supported: {sorted(FORMATS)}")
     if any(b in schema for b in BOUNDS):
         _number_bounds(schema, where)
+    _check_counts(schema, where)
     for name in SUBSCHEMA_MAPS:
         for key, sub in schema.get(name, {}).items():
             _check_supported(sub, f"{where}/{name}/{key}", depth + 1)
@@ -75,6 +78,18 @@ def _check_supported(schema: object, where: str, depth: int) -> None:
     for name in ("items", "additionalProperties"):
         if isinstance(schema.get(name), dict):
             _check_supported(schema[name], f"{where}/{name}", depth + 1)
+
+
+def _check_counts(schema: dict, where: str) -> None:
+    """Lengths and item counts the grammar spells out one by one: a range that is empty or too long to write."""
+    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
+        if schema.get(low, 0) > schema.get(high, math.inf):
+            raise InvalidArgument(f"empty range at {where}: {low} {schema[low]} is above {high} {schema[high]}")
+        if max(schema.get(low, 0), schema.get(high, 0)) > MAX_COUNT:
+            raise InvalidArgument(f"unsupported {low}/{high} at {where}: at most {MAX_COUNT}")
+    for count in re.findall(r"\{(\d*),?(\d*)\}", schema.get("pattern", "")):
+        if any(c and int(c) > MAX_COUNT for c in count):
+            raise InvalidArgument(f"unsupported pattern at {where}: a repetition above {MAX_COUNT}")
 
 
 def _number_bounds(schema: dict, where: str) -> tuple[int | None, int | None]:

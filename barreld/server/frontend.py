@@ -96,15 +96,17 @@ def completion_params(
 
 
 def constraint(grammar: str = "", json_schema: object = None, json_object: bool = False) -> str:
-    """The GBNF a reply must match, from at most one of: GBNF text (parsed safely first), a JSON schema, "any
-    JSON object"."""
+    """The GBNF a reply must match, from at most one of: GBNF text, a JSON schema, "any JSON object"; parsed
+    safely (in a child process) before the daemon's llama.cpp sees it."""
     if sum((bool(grammar), json_schema is not None, json_object)) > 1:
         raise InvalidArgument("send at most one of a grammar, a JSON schema and a JSON object format")
     if json_object:
-        return schema_grammar(JSON_OBJECT)
+        grammar = schema_grammar(JSON_OBJECT)
+    elif json_schema is not None:
+        grammar = schema_grammar(json_schema)
     if grammar:
         check_gbnf(grammar)
-    return grammar if json_schema is None else schema_grammar(json_schema)
+    return grammar
 
 
 def parse_schema(text: str) -> object:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from barreld.engine.grammar import int_range
+from barreld.engine.grammar import int_range, schema_grammar
 from barreld.engine.plan import byte_offsets, chunk_end, common_prefix_len
 from barreld.engine.sampler import Sampler, logprobs
 from barreld.engine.sampling import SamplingParams
@@ -115,3 +115,23 @@ def test_integer_ranges_match_exactly_the_integers_in_range(low: int | None, wid
         inside = (low is None or n >= low) and (high is None or n <= high)
         assert bool(pattern.fullmatch(str(n))) == inside, (low, high, n)
     assert not pattern.fullmatch("007") and not pattern.fullmatch("-0")
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "string", "minLength": 5, "maxLength": 2}, "empty range"),
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "empty range"),
+        ({"type": "integer", "minimum": 3, "maximum": 1}, "empty range"),
+        ({"type": "string", "pattern": "^a{100000}$"}, "a repetition above 1000"),
+        ({"type": "string", "maxLength": 100000}, "at most 1000"),
+        ({"type": "number", "maximum": 0.5}, "unsupported bounds"),
+        ({"type": "object", "patternProperties": {}}, "'patternProperties'"),
+        ({"type": "string", "format": "email"}, "unsupported format"),
+        ({"type": "nothing"}, "not a valid JSON Schema"),
+        (True, "must be an object"),
+    ],
+)
+def test_a_schema_the_grammar_cannot_enforce_is_refused_by_name(schema: object, words: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(words)):
+        schema_grammar(schema)
