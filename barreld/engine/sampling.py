@@ -22,6 +22,7 @@ MAX_BIASED = 1024  # logit_bias entries
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_GRAMMAR = 256 << 10  # characters of GBNF (a large JSON schema converts to tens of KiB)
 DEFAULT_REPEAT_LAST_N = 64
+MAX_REPEAT_LAST_N = 1 << 20  # llama.cpp keeps a ring of this many tokens
 
 
 def _bad(name: str, value: object, expected: str) -> InvalidArgument:
@@ -67,8 +68,8 @@ class SamplingParams:
         _fraction("min_p", self.min_p, low_open=False)
         _fraction("typical_p", self.typical_p, low_open=True)
         _number("repeat_penalty", self.repeat_penalty, 0.01, MAX_REPEAT_PENALTY)
-        if self.repeat_last_n < 0:
-            raise _bad("repeat_last_n", self.repeat_last_n, "a whole number >= 0")
+        if not 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N:
+            raise _bad("repeat_last_n", self.repeat_last_n, f"a whole number from 0 to {MAX_REPEAT_LAST_N}")
         _number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         self._check_bias()
