@@ -41,9 +41,18 @@ NUMERIC = tuple(OPTIONS)[:8]
 _FIELD = re.compile(r"\bbad (" + "|".join(NUMERIC) + r"|logit_bias|temperature|seed)\b")
 
 
+def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> None:
+    if max_tokens < 1:
+        raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
+    if temperature < 0:
+        raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
+    if seed is not None and not 0 <= seed < 2**32:
+        raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
+
+
 def with_sampling(command: Callable[..., None]) -> Callable[..., None]:
-    """Adds the sampler's options to `command`, which takes `temperature`, `seed` and `sampling`: the Sampling
-    message's fields for the options given, checked."""
+    """Adds the sampler's options to `command`, which takes `max_tokens`, `temperature`, `seed` (or not) and
+    `sampling`: the Sampling message's fields for the options given, all of them checked first."""
     sig = inspect.signature(command, eval_str=True)
     kept = [p for p in sig.parameters.values() if p.name != "sampling"]
     keyword = inspect.Parameter.KEYWORD_ONLY
@@ -52,6 +61,7 @@ def with_sampling(command: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(command)
     def run(**kwargs: Any) -> None:
         given = {name: kwargs.pop(name) for name in OPTIONS}
+        check_sampling(kwargs["max_tokens"], kwargs["temperature"], kwargs.get("seed"))
         command(**kwargs, sampling=sampling_request(kwargs["temperature"], kwargs.get("seed"), given))
 
     run.__signature__ = sig.replace(parameters=[*kept, *added])

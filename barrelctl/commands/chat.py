@@ -16,7 +16,6 @@ from typing import Annotated, Any
 import typer
 
 from barrelctl import render, state
-from barrelctl.commands.complete import check_sampling
 from barrelctl.conversation import read_messages, write_messages
 from barrelctl.errors import EXIT_UNREACHABLE, EXIT_USAGE, ClientError, CliError
 from barrelctl.sampling import with_sampling
@@ -163,7 +162,6 @@ def chat_run(
     sampling: dict[str, Any] | None = None,
 ) -> None:
     """Hold a conversation: each line you type is a user message, the reply streams back."""
-    check_sampling(max_tokens, temperature, seed)
     if state.options.json:
         raise CliError("chat has no JSON output; use `complete --messages FILE` in scripts", EXIT_USAGE)
     interactive = sys.stdin.isatty()

@@ -67,15 +67,6 @@ def logprob_json(entry: Any) -> dict:
     return {**alt(entry.chosen), "top_logprobs": [alt(a) for a in entry.top]}
 
 
-def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> None:
-    if max_tokens < 1:
-        raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
-    if temperature < 0:
-        raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
-    if seed is not None and not 0 <= seed < 2**32:
-        raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
-
-
 @with_sampling
 def complete_run(
     prompt: Annotated[
@@ -98,7 +89,6 @@ def complete_run(
     sampling: dict[str, Any] | None = None,
 ) -> None:
     """Stream a completion of PROMPT (or of a conversation, --messages) to stdout."""
-    check_sampling(max_tokens, temperature, seed)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise CliError(f"bad --logprobs {logprobs}: expected 0..{MAX_LOGPROBS}", EXIT_USAGE)
     as_json = state.want_json(json_out)
