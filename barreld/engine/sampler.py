@@ -115,12 +115,11 @@ class Sampler:
         """The next token; the chain and the grammar are told of it. InvalidArgument when the grammar
         allows no token at all here."""
         token = self._draw(logits, grammar_first=False)
-        if self._grammar is not None and not self._allows(token):
-            token = self._draw(logits, grammar_first=True)
+        if self._grammar is not None:
             if not self._allows(token):
-                raise InvalidArgument("the grammar allows no token here; check that it can be completed")
-            self._L.llama_sampler_accept(self._grammar, token)
-        elif self._grammar is not None:
+                token = self._draw(logits, grammar_first=True)
+                if not self._allows(token):
+                    raise InvalidArgument("the grammar allows no token here; check that it can be completed")
             self._L.llama_sampler_accept(self._grammar, token)
         self._L.llama_sampler_accept(self._chain, token)
         return token

@@ -137,3 +137,10 @@ def test_a_grammar_is_matched_against_the_vocabulary_or_refused_without_one(be: 
         return
     token = Sampler(params, be.n_vocab, be.vocab).sample(logits)
     assert be.piece(token) and b" over the river".startswith(be.piece(token))
+    # Logits that rule out every token the grammar allows: refused, never told to the grammar (an abort).
+    for temperature in (0.0, 1.0):
+        dead = np.full_like(logits, -np.inf)
+        dead[token] = -np.inf
+        dead[be.tokenize_tail(b"x")[0]] = 1.0
+        with pytest.raises(InvalidArgument, match="allows no token"):
+            Sampler(SamplingParams(temperature=temperature, grammar=params.grammar), be.n_vocab, be.vocab).sample(dead)
