@@ -147,6 +147,7 @@ class Completion:
     timings_ms: dict[str, float]  # the daemon's: lookup, restore, prefill, ttft, total
     client_ttft_ms: float  # the call to its first token (to its end when no token carried text)
     client_total_ms: float
+    logprobs: tuple[Any, ...] = ()  # pb.TokenLogprob per token of the text, when asked for
 
 
 class CompletionStream:
@@ -194,6 +195,7 @@ class CompletionStream:
             timings_ms={f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields},
             client_ttft_ms=((self._first or end) - self._t0) * 1000,
             client_total_ms=(end - self._t0) * 1000,
+            logprobs=tuple(done.logprobs),
         )
 
     def result(self) -> Completion:
@@ -255,16 +257,19 @@ class Client:
         chat: bool = False,
         messages: Sequence[Message] = (),
         chat_template: str = "",
+        sampling: Mapping[str, Any] | None = None,
+        logprobs: int | None = None,
         timeout: float | None = None,
     ) -> CompletionStream:
         """Starts a completion of `prompt`, or of `messages` (then pass an empty prompt) rendered by the model's
         chat template or `chat_template`; None leaves max_tokens to the daemon's default and the sampler
-        unseeded."""
+        unseeded. `sampling` holds the Sampling message's fields (top_k, ..., grammar, json_schema)."""
         pb = _pb()
         request = pb.CompleteRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                      seed=seed, stop=list(stop), parent_key=parent_key, chat=chat,
                                      messages=[pb.Message(role=m.role, content=m.content) for m in messages],
-                                     chat_template=chat_template)
+                                     chat_template=chat_template, sampling=pb.Sampling(**(sampling or {})),
+                                     logprobs=logprobs)
         return CompletionStream(self._call("Complete", request, timeout), self.socket, model)
 
     def load(

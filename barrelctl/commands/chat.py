@@ -11,14 +11,14 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from barrelctl import render, state
-from barrelctl.commands.complete import check_sampling
 from barrelctl.conversation import read_messages, write_messages
 from barrelctl.errors import EXIT_UNREACHABLE, EXIT_USAGE, ClientError, CliError
+from barrelctl.sampling import with_sampling
 from barreld.engine.chat import Message
 
 PROMPT = ">>> "
@@ -37,6 +37,8 @@ class Session:
     temperature: float
     interactive: bool
     messages: list[Message] = field(default_factory=list)
+    seed: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # the Sampling message's fields
 
     def set_system(self, text: str) -> None:
         turns = self.messages[1:] if self.messages and self.messages[0].role == "system" else self.messages
@@ -57,7 +59,8 @@ def turn(session: Session, text: str) -> None:
     try:
         done = render.stream(
             lambda: state.client().complete(b"", model=session.model, messages=asked,
-                                            max_tokens=session.max_tokens, temperature=session.temperature),
+                                            max_tokens=session.max_tokens, temperature=session.temperature,
+                                            seed=session.seed, sampling=session.sampling),
             as_json=False,
         )
     except KeyboardInterrupt:
@@ -142,6 +145,7 @@ def piped_lines() -> Iterator[str]:
         yield line.rstrip("\r\n")
 
 
+@with_sampling
 def chat_run(
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="Model name (default: the default model, loaded if needed).")
@@ -154,15 +158,16 @@ def chat_run(
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per reply (1..n_ctx).")] = 512,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")] = 0.0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..4294967295).")] = None,
+    sampling: dict[str, Any] | None = None,
 ) -> None:
     """Hold a conversation: each line you type is a user message, the reply streams back."""
-    check_sampling(max_tokens, temperature, None)
     if state.options.json:
         raise CliError("chat has no JSON output; use `complete --messages FILE` in scripts", EXIT_USAGE)
     interactive = sys.stdin.isatty()
     if resume == "-":
         raise CliError("--resume needs a file: stdin carries the conversation's new messages", EXIT_USAGE)
-    session = Session(model or "", max_tokens, temperature, interactive)
+    session = Session(model or "", max_tokens, temperature, interactive, seed=seed, sampling=sampling or {})
     if resume is not None:
         session.messages = list(read_messages(resume))
     if system is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -11,7 +11,23 @@ from barrelctl import render, state
 from barrelctl.client import Completion
 from barrelctl.conversation import read_messages
 from barrelctl.errors import EXIT_USAGE, CliError
+from barrelctl.sampling import with_sampling
 from barrelctl.state import JsonOpt
+from barreld.engine.sampling import MAX_LOGPROBS
+
+Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop when this string is generated (repeatable).")]
+ParentKey = Annotated[
+    str | None, typer.Option("--parent-key", help="The previous turn's `key`, to resume from its checkpoint.")
+]
+MessagesFile = Annotated[
+    str | None,
+    typer.Option("--messages", metavar="FILE", show_default=False,
+                 help="Complete a conversation instead of PROMPT: a JSON array of {role, content} messages "
+                      "(OpenAI's shape), rendered by the model's chat template; '-' reads stdin."),
+]
+Logprobs = Annotated[int | None, typer.Option("--logprobs", metavar="N", show_default=False,
+                                              help="With --json: each token's log probability and the N likeliest "
+                                                   "alternatives (0..20).")]
 
 
 def _read_prompt(prompt: str | None) -> bytes:
@@ -38,18 +54,20 @@ def done_json(done: Completion) -> dict:
         },
         "tokens": {"prompt": done.prompt_tokens, "completion": done.completion_tokens},
         "timings_ms": dict(done.timings_ms),
+        **({"logprobs": [logprob_json(e) for e in done.logprobs]} if done.logprobs else {}),
     }
 
 
-def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> None:
-    if max_tokens < 1:
-        raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
-    if temperature < 0:
-        raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
-    if seed is not None and not 0 <= seed < 2**32:
-        raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
+def logprob_json(entry: Any) -> dict:
+    """One token's entry, in the shape of OpenAI's chat logprobs."""
+
+    def alt(a: Any) -> dict:
+        return {"token": a.text.decode("utf-8", "replace"), "logprob": a.logprob, "bytes": list(a.text)}
+
+    return {**alt(entry.chosen), "top_logprobs": [alt(a) for a in entry.top]}
 
 
+@with_sampling
 def complete_run(
     prompt: Annotated[
         str | None, typer.Argument(help="The prompt; '-' or absent reads stdin.", show_default=False)
@@ -60,25 +78,19 @@ def complete_run(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate (1..n_ctx).")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")] = 0.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..4294967295).")] = None,
-    stop: Annotated[
-        list[str] | None, typer.Option("--stop", help="Stop when this string is generated (repeatable).")
-    ] = None,
-    parent_key: Annotated[
-        str | None, typer.Option("--parent-key", help="The previous turn's `key`, to resume from its checkpoint.")
-    ] = None,
+    stop: Stop = None,
+    parent_key: ParentKey = None,
     chat: Annotated[
         bool, typer.Option("--chat", help="Render PROMPT as one user turn through the model's chat template.")
     ] = False,
-    messages_file: Annotated[
-        str | None,
-        typer.Option("--messages", metavar="FILE", show_default=False,
-                     help="Complete a conversation instead of PROMPT: a JSON array of {role, content} messages "
-                          "(OpenAI's shape), rendered by the model's chat template; '-' reads stdin."),
-    ] = None,
+    messages_file: MessagesFile = None,
+    logprobs: Logprobs = None,
     json_out: JsonOpt = False,
+    sampling: dict[str, Any] | None = None,
 ) -> None:
     """Stream a completion of PROMPT (or of a conversation, --messages) to stdout."""
-    check_sampling(max_tokens, temperature, seed)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise CliError(f"bad --logprobs {logprobs}: expected 0..{MAX_LOGPROBS}", EXIT_USAGE)
     as_json = state.want_json(json_out)
     if messages_file is not None and prompt is not None:
         raise CliError("pass either PROMPT or --messages, not both", EXIT_USAGE)
@@ -87,7 +99,7 @@ def complete_run(
     done = render.stream(
         lambda: state.client().complete(text, model=model or "", max_tokens=max_tokens, temperature=temperature,
                                         seed=seed, stop=stop or [], parent_key=parent_key or "", chat=chat,
-                                        messages=messages),
+                                        messages=messages, sampling=sampling, logprobs=logprobs),
         as_json,
     )
     if as_json:

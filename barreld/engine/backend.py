@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,6 +46,7 @@ class Backend(Protocol):
     n_batch: int
     n_seq_max: int
     n_vocab: int
+    vocab: Any  # llama.cpp's vocabulary (a pointer) for its grammar sampler; None where there is none
     chat_template: str | None  # the model's own Jinja chat template, if it has one
     bos_text: str  # how the template spells the begin- and end-of-sequence tokens
     eos_text: str

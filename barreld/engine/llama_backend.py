@@ -81,7 +81,7 @@ class LlamaBackend:
         self._model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {path}: corrupt or unsupported GGUF")
-        self._vocab = L.llama_model_get_vocab(self._model)
+        self._vocab = self.vocab = L.llama_model_get_vocab(self._model)
         n_ctx_train = L.llama_model_n_ctx_train(self._model)
         if settings.n_ctx > n_ctx_train:
             L.llama_model_free(self._model)

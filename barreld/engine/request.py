@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from barreld.engine.chat import Message
-from barreld.engine.sampling import Sampler
+from barreld.engine.sampler import Sampler
+from barreld.engine.sampling import SamplingParams
 from barreld.engine.stops import StopScanner
 from barreld.names import Route
 
@@ -23,8 +24,8 @@ class CompletionParams:
     messages: tuple[Message, ...] = ()  # a conversation to render instead of `prompt`
     chat_template: str | None = None  # the request's own template, else the model's
     max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 0.0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    logprobs: int | None = None  # None: none; 0: each token's own; N: and the N likeliest tokens
     stop: tuple[bytes, ...] = ()
     parent_key: bytes | None = None
 
@@ -53,9 +54,23 @@ class Started:
     prompt_key: bytes
 
 
+@dataclass(frozen=True)
+class Alternative:
+    token: int
+    text: bytes
+    logprob: float  # natural log of the model's probability, before the sampler's cuts
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    chosen: Alternative
+    top: tuple[Alternative, ...]  # the likeliest tokens, most likely first
+
+
 @dataclass
 class Token:
     text: bytes
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens this text completes, when asked for
 
 
 @dataclass
@@ -68,6 +83,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
+    logprobs: tuple[TokenLogprob, ...] = ()  # every token the text holds, when asked for
 
 
 @dataclass
@@ -104,6 +120,8 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     sampler: Sampler | None = None
     scanner: StopScanner | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled tokens' entries, when asked for
+    logprobs_sent: int = 0  # of which Token events carried this many
     pending: int | None = None  # sampled token not yet in the KV cache
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint

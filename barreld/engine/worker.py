@@ -26,6 +26,7 @@ from barreld.engine.chat import Message
 from barreld.engine.model_cache import Found, ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
+    Alternative,
     CompletionParams,
     Done,
     EventSink,
@@ -33,8 +34,9 @@ from barreld.engine.request import (
     Request,
     Started,
     Token,
+    TokenLogprob,
 )
-from barreld.engine.sampling import Sampler
+from barreld.engine.sampler import Sampler, logprobs
 from barreld.engine.sequence import Sequence, Snapshot
 from barreld.engine.stops import StopScanner
 from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
@@ -156,8 +158,11 @@ class ModelWorker:
                 req.events.put(Failed(BarrelError(f"the request failed to start ({exc}); see the daemon log")))
 
     def _start(self, req: Request) -> None:
-        """Tokenises, finds the best warm start, claims a sequence and sets it up to prefill the rest."""
+        """Tokenises, builds the sampler (a bad grammar or bias is refused before a sequence is touched),
+        finds the best warm start, claims a sequence and sets it up to prefill the rest."""
         tokens, rendered, offsets = self._prompt(req.params)
+        req.sampler = Sampler(req.params.sampling, self.backend.n_vocab, self.backend.vocab)
+        req.sampler.history(tokens)
         req.prompt_key = self.cache.key(rendered)
         t0 = time.perf_counter()
         idle = [s for s in self.seqs if s.idle]
@@ -177,7 +182,6 @@ class ModelWorker:
         req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
         if kept and req.snapshot_at == kept:
             self._snapshot(seq)
-        req.sampler = Sampler(req.params.temperature, req.params.seed)
         req.scanner = StopScanner(list(req.params.stop))
         req.prefill_started = time.perf_counter()
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
@@ -357,10 +361,9 @@ class ModelWorker:
     def _take(self, req: Request, logits: np.ndarray) -> None:
         """Samples the next token, streams its text, and finishes the request when a limit is reached."""
         seq = self.seqs[req.seq]
-        if req.generated == 0:
-            logits = logits.copy()
-            logits[self.eog_tokens] = -np.inf
-        token = req.sampler.sample(logits)
+        token = self._sample(req, logits)
+        if token is None:
+            return
         req.generated += 1
         now = time.perf_counter()
         if req.first_token_at is None:
@@ -369,15 +372,42 @@ class ModelWorker:
         if self.backend.is_eog(token):
             self._finish(req, "stop", token)
             return
+        if req.params.logprobs is not None:
+            req.logprobs.append(self._logprob(logits, token, req.params.logprobs))
         out = req.scanner.feed(self.backend.piece(token))
         if out:
-            req.events.put(Token(out))
+            req.events.put(Token(out, self._unsent_logprobs(req)))
         if req.scanner.stopped:
             self._finish(req, "stop", token)
         elif req.generated >= req.params.max_tokens or len(seq.tokens) + 1 >= self.backend.n_ctx:
             self._finish(req, "length", token)
         else:
             req.pending = token
+
+    def _sample(self, req: Request, logits: np.ndarray) -> int | None:
+        """The sampler's token; None when it failed the request (a grammar that allows nothing here).
+
+        Unconstrained, end-of-generation is masked at the first step; under a grammar the grammar decides."""
+        if req.generated == 0 and not req.sampler.constrained:
+            logits = logits.copy()
+            logits[self.eog_tokens] = -np.inf
+        try:
+            return req.sampler.sample(logits)
+        except InvalidArgument as exc:
+            self._fail(req, exc)
+            return None
+
+    def _logprob(self, logits: np.ndarray, token: int, n: int) -> TokenLogprob:
+        own, top = logprobs(logits, token, n)
+        piece = self.backend.piece
+        return TokenLogprob(Alternative(token, piece(token), own), tuple(Alternative(t, piece(t), lp) for t, lp in top))
+
+    @staticmethod
+    def _unsent_logprobs(req: Request) -> tuple[TokenLogprob, ...]:
+        """The entries of the tokens whose text goes out now (a stop string's held-back text waits)."""
+        unsent = tuple(req.logprobs[req.logprobs_sent :])
+        req.logprobs_sent = len(req.logprobs)
+        return unsent
 
     def _finish(self, req: Request, reason: str, last: int | None = None) -> None:
         """Appends the last sampled token to the sequence's text, hands the finish save to the writers, then
@@ -393,7 +423,7 @@ class ModelWorker:
         req.pending = None
         tail = b"" if req.scanner.stopped else req.scanner.flush()
         if tail:
-            req.events.put(Token(tail))
+            req.events.put(Token(tail, self._unsent_logprobs(req)))
         if last is not None and len(seq.tokens) >= len(req.target):
             # Text only: a generated token's KV is never reused, so it is not evaluated (see Sequence).
             seq.append(last, self.backend.piece(last), prefilled=False)
@@ -410,6 +440,7 @@ class ModelWorker:
                 prompt_tokens=req.prompt_tokens,
                 completion_tokens=req.generated,
                 timings=type(t)(_ms(t.lookup), _ms(t.restore), _ms(t.prefill), _ms(t.ttft), _ms(t.total)),
+                logprobs=tuple(req.logprobs[: req.logprobs_sent]),
             )
         )
         self._release(req)

@@ -3,9 +3,9 @@ dicts: the request body to a CompletionParams factory, the worker's events to re
 
 Fields OpenAI has and Barrel does not use are ignored, as OpenAI ignores unknown ones; a field of the wrong
 type is InvalidArgument (400). max_tokens defaults as OpenAI's does: 16 for completions, and no limit for chat
-(generation ends at a stop or when the context is full). Temperature defaults to Barrel's 0, not OpenAI's 1:
-the sampler has no nucleus cut, so at 1 it samples the whole tail of the distribution, and greedy replies are
-the ones a warm start reproduces byte for byte.
+(generation ends at a stop or when the context is full). Temperature defaults to Barrel's 0 (greedy), not
+OpenAI's 1. Beside OpenAI's sampling fields, llama.cpp's server's are read too (top_k, min_p, typical_p,
+repeat_penalty, repeat_last_n, grammar); `response_format` and `grammar` constrain the reply.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from barreld.engine.chat import Message, messages_from
-from barreld.engine.request import CompletionParams, Done, Started, Token
+from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
+from barreld.engine.sampling import SamplingParams
 from barreld.errors import InvalidArgument
-from barreld.server.frontend import completion_params
+from barreld.server.frontend import completion_params, constraint
 
 COMPLETIONS_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 0.0
@@ -56,20 +57,22 @@ class ApiRequest:
     prompt: bytes
     messages: tuple[Message, ...]
     max_tokens: int | None
-    temperature: float
-    seed: int | None
+    sampling: SamplingParams  # without its grammar, which `params` adds off the event loop
+    constraint: tuple[str, object, bool]  # GBNF, JSON schema, any JSON object: frontend.constraint's arguments
+    logprobs: int | None  # None: not asked for; N: N alternatives per token
     stop: tuple[str, ...]
     parent_key: str
 
     def params(self, n_ctx: int) -> CompletionParams:
-        """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx."""
+        """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx. A grammar is
+        parsed here, on the call's own thread: a client's GBNF is parsed in a child process first."""
         return completion_params(
             n_ctx=n_ctx,
             prompt=self.prompt,
             messages=self.messages,
             max_tokens=n_ctx if self.max_tokens is None else self.max_tokens,
-            temperature=self.temperature,
-            seed=self.seed,
+            sampling=dataclasses.replace(self.sampling, grammar=constraint(*self.constraint)),
+            logprobs=self.logprobs,
             stop=self.stop,
             parent_key=self.parent_key,
         )
@@ -79,9 +82,6 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
     body = Body(doc)
     if body.get("n", int, "an integer") not in (None, 1):
         raise InvalidArgument("n must be 1: Barrel returns one choice per request")
-    top_p = body.get("top_p", (int, float), "a number")
-    if top_p not in (None, 1):
-        raise InvalidArgument("top_p must be 1: Barrel samples from the whole distribution (use temperature)")
     stream = bool(body.get("stream", bool, "true or false"))
     options = body.get("stream_options", dict, "an object")
     if options is not None and not stream:
@@ -93,7 +93,6 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         max_tokens = max_tokens if newer is None else newer
     elif max_tokens is None:
         max_tokens = COMPLETIONS_MAX_TOKENS
-    temperature = body.get("temperature", (int, float), "a number")
     return ApiRequest(
         chat=chat,
         model=body.get("model", str, "a string") or "",
@@ -102,11 +101,72 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         prompt=b"" if chat else _prompt(body),
         messages=_messages(body) if chat else (),
         max_tokens=max_tokens,
-        temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
-        seed=body.get("seed", int, "an integer"),
+        sampling=_sampling(body),
+        constraint=(body.get("grammar", str, "a string of GBNF") or "", *_response_format(body)),
+        logprobs=_logprobs(body, chat),
         stop=_stop(body),
         parent_key=body.get("parent_key", str, "a string of 64 hex digits") or "",
     )
+
+
+NUMBER = ((int, float), "a number")
+WHOLE = (int, "an integer")
+SAMPLING_FIELDS = {
+    "top_p": NUMBER, "min_p": NUMBER, "typical_p": NUMBER, "repeat_penalty": NUMBER, "presence_penalty": NUMBER,
+    "frequency_penalty": NUMBER, "top_k": WHOLE, "repeat_last_n": WHOLE,
+}
+
+
+def _sampling(body: Body) -> SamplingParams:
+    """The sampler's settings under OpenAI's names and llama.cpp's server's; absent ones at their defaults."""
+    temperature = body.get("temperature", (int, float), "a number")
+    given = {name: body.get(name, *kind) for name, kind in SAMPLING_FIELDS.items()}
+    return SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+        seed=body.get("seed", int, "an integer"),
+        logit_bias=_logit_bias(body),
+        **{name: value for name, value in given.items() if value is not None},
+    )
+
+
+def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias", dict, "an object mapping token ids to numbers") or {}
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise InvalidArgument(f"bad logit_bias key {key[:40]!r}: expected a token id (a whole number)")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidArgument(f"bad logit_bias[{key}]: expected a number from -100 to 100")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _response_format(body: Body) -> tuple[object, bool]:
+    """(the JSON schema, or None; whether any JSON object will do) from OpenAI's response_format."""
+    fmt = body.get("response_format", dict, "an object")
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return None, False
+    if kind == "json_object":
+        return None, True
+    if kind != "json_schema":
+        raise InvalidArgument(f"bad response_format type {str(kind)[:40]!r}: expected text, json_object or json_schema")
+    spec = Body(fmt).get("json_schema", dict, "an object {name, schema, strict}")
+    schema = None if spec is None else spec.get("schema")
+    if schema is None:
+        raise InvalidArgument("response_format.json_schema.schema is missing; send the JSON Schema there")
+    return schema, False
+
+
+def _logprobs(body: Body, chat: bool) -> int | None:
+    """Chat: `logprobs` true, and `top_logprobs` alternatives; completions: `logprobs` alternatives."""
+    if not chat:
+        return body.get("logprobs", int, "an integer (alternatives per token)")
+    wanted = body.get("logprobs", bool, "true or false")
+    top = body.get("top_logprobs", int, "an integer")
+    if top is not None and not wanted:
+        raise InvalidArgument("top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 def _prompt(body: Body) -> bytes:
@@ -192,6 +252,10 @@ def barrel_doc(done: Done) -> dict[str, Any]:
     }
 
 
+def _token_doc(a: Alternative) -> dict[str, Any]:
+    return {"token": a.text.decode("utf-8", "replace"), "logprob": a.logprob, "bytes": list(a.text)}
+
+
 class Reply:
     """Shapes one request's events as OpenAI replies: one document, or SSE chunks as tokens arrive.
 
@@ -206,10 +270,12 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if req.chat else "text_completion"
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offset = 0  # characters of text before the next token, for text_offset
 
     def document(self, done: Done) -> dict[str, Any]:
         text = done.text.decode("utf-8", "replace")
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": done.finish_reason}
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(done.logprobs),
+                                  "finish_reason": done.finish_reason}
         if self.req.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -222,7 +288,7 @@ class Reply:
             return [self._chunk({"role": "assistant", "content": ""})] if self.req.chat else []
         if isinstance(ev, Token):
             text = self._decoder.decode(ev.text)
-            return [self._chunk(self._delta(text))] if text else []
+            return [self._chunk(self._delta(text), logprobs=ev.logprobs)] if text or ev.logprobs else []
         rest = self._decoder.decode(b"", final=True)
         out = [self._chunk(self._delta(rest))] if rest else []
         out.append(self._chunk({} if self.req.chat else {"text": ""}, ev.finish_reason))
@@ -230,6 +296,24 @@ class Reply:
             out.append({**self._head(), "choices": [], "usage": usage_doc(ev)})
         out[-1]["barrel"] = barrel_doc(ev)
         return out
+
+    def _logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists."""
+        if self.req.logprobs is None:
+            return None
+        if self.req.chat:
+            return {"content": [{**_token_doc(e.chosen), "top_logprobs": [_token_doc(a) for a in e.top]}
+                                for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.chosen.text.decode("utf-8", "replace"))
+        return {
+            "tokens": [e.chosen.text.decode("utf-8", "replace") for e in entries],
+            "token_logprobs": [e.chosen.logprob for e in entries],
+            "top_logprobs": [{a.text.decode("utf-8", "replace"): a.logprob for a in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _delta(self, text: str) -> dict[str, str]:
         return {"content": text} if self.req.chat else {"text": text}
@@ -241,8 +325,11 @@ class Reply:
             head["usage"] = None  # OpenAI's chunks say "no usage yet" until the last one
         return head
 
-    def _chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(
+        self, delta: dict[str, str], finish_reason: str | None = None, logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                                  "finish_reason": finish_reason}
         if self.req.chat:
             choice["delta"] = delta
         else:

@@ -6,14 +6,17 @@ No gRPC or HTTP import here: each front end turns these values and errors into i
 
 from __future__ import annotations
 
-import math
+import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from barreld.cache.errors import IndexWriteError
 from barreld.engine.chat import Message
+from barreld.engine.gbnf import check_gbnf
+from barreld.engine.grammar import JSON_OBJECT, schema_grammar
 from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed, Started, Token
+from barreld.engine.sampling import SamplingParams, check_logprobs
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
 from barreld.names import MODEL_NAME_MAX
 
@@ -23,8 +26,6 @@ if TYPE_CHECKING:
 MAX_STOPS = 16
 MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
 MAX_STOP_BYTES = 256
-MAX_TEMPERATURE = 100
-MAX_SEED = (1 << 64) - 1
 SHOWN = 80
 
 
@@ -63,21 +64,19 @@ def completion_params(
     messages: tuple[Message, ...] = (),
     chat: bool = False,
     max_tokens: int | None = None,
-    temperature: float = 0.0,
-    seed: int | None = None,
+    sampling: SamplingParams | None = None,
+    logprobs: int | None = None,
     stop: Sequence[str] = (),
     parent_key: str = "",
     chat_template: str | None = None,
 ) -> CompletionParams:
-    """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one."""
+    """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one
+    (the sampler's were checked when `sampling` was made)."""
     check_conversation(prompt, messages, chat, chat_template)
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if not 1 <= max_tokens <= n_ctx:
         raise InvalidArgument(f"bad max_tokens {max_tokens}: expected 1..{n_ctx} (the model's n_ctx)")
-    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-        raise InvalidArgument(f"bad temperature {temperature}: expected a number from 0 to {MAX_TEMPERATURE}")
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise InvalidArgument(f"bad seed {seed}: expected a whole number from 0 to 2**64 - 1")
+    check_logprobs(logprobs)
     if len(stop) > MAX_STOPS:
         raise InvalidArgument(f"too many stop strings ({len(stop)}); at most {MAX_STOPS}")
     stops = tuple(s.encode() for s in stop)
@@ -89,11 +88,33 @@ def completion_params(
         messages=messages,
         chat_template=chat_template,
         max_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
+        sampling=sampling or SamplingParams(),
+        logprobs=logprobs,
         stop=stops,
         parent_key=parse_key(parent_key, "parent key") if parent_key else None,
     )
+
+
+def constraint(grammar: str = "", json_schema: object = None, json_object: bool = False) -> str:
+    """The GBNF a reply must match, from at most one of: GBNF text, a JSON schema, "any JSON object"; parsed
+    safely (in a child process) before the daemon's llama.cpp sees it."""
+    if sum((bool(grammar), json_schema is not None, json_object)) > 1:
+        raise InvalidArgument("send at most one of a grammar, a JSON schema and a JSON object format")
+    if json_object:
+        grammar = schema_grammar(JSON_OBJECT)
+    elif json_schema is not None:
+        grammar = schema_grammar(json_schema)
+    if grammar:
+        check_gbnf(grammar)
+    return grammar
+
+
+def parse_schema(text: str) -> object:
+    """A JSON schema sent as text (gRPC, the CLI)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"the JSON schema is not valid JSON: {str(exc)[:200]}") from None
 
 
 def check_conversation(prompt: bytes, messages: tuple[Message, ...], chat: bool, template: str | None) -> None:

@@ -16,12 +16,20 @@ import grpc
 import barreld
 from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
-from barreld.engine.request import CompletionParams, Done, Started, Token
+from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
+from barreld.engine.sampling import SamplingParams
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
-from barreld.server.frontend import check_model_name, completion_params, show, start_call
+from barreld.server.frontend import (
+    check_model_name,
+    completion_params,
+    constraint,
+    parse_schema,
+    show,
+    start_call,
+)
 from barreld.server.status import rpc
 
 if TYPE_CHECKING:
@@ -80,11 +88,35 @@ def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         messages=messages_from({"role": m.role, "content": m.content} for m in req.messages) if req.messages else (),
         chat_template=req.chat_template or None,
-        temperature=req.temperature,
-        seed=req.seed if req.HasField("seed") else None,
+        sampling=grpc_sampling(req),
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
         stop=req.stop,
         parent_key=req.parent_key,
     )
+
+
+SAMPLING_FIELDS = ("top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                   "frequency_penalty")
+
+
+def grpc_sampling(req: pb.CompleteRequest) -> SamplingParams:
+    """The sampler's settings: each field that is set, the rest at their defaults."""
+    s = req.sampling
+    schema = parse_schema(s.json_schema) if s.json_schema else None
+    return SamplingParams(
+        temperature=req.temperature,
+        seed=req.seed if req.HasField("seed") else None,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        grammar=constraint(s.grammar, schema, s.json_object),
+        **{name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)},
+    )
+
+
+def logprob_messages(entries: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+    def alt(a: Alternative) -> pb.Alternative:
+        return pb.Alternative(token=a.token, text=a.text, logprob=a.logprob)
+
+    return [pb.TokenLogprob(chosen=alt(e.chosen), top=[alt(a) for a in e.top]) for e in entries]
 
 
 def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
@@ -138,6 +170,7 @@ def done_message(ev: Done, model: str) -> pb.CompleteDone:
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
         timings_ms=pb.Timings(lookup=t.lookup, restore=t.restore, prefill=t.prefill, ttft=t.ttft, total=t.total),
+        logprobs=logprob_messages(ev.logprobs),
     )
 
 
@@ -189,7 +222,7 @@ class Servicer(pb_grpc.BarrelServicer):
                     )
                 )
             elif isinstance(ev, Token):
-                yield pb.CompleteEvent(token=pb.CompleteToken(text=ev.text))
+                yield pb.CompleteEvent(token=pb.CompleteToken(text=ev.text, logprobs=logprob_messages(ev.logprobs)))
             else:
                 yield pb.CompleteEvent(done=done_message(ev, call.model.name))
 

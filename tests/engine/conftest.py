@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -19,6 +20,7 @@ from barreld.cache.policy import Policy
 from barreld.engine.backend import BatchItem, ContextSettings
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import CompletionParams, Done, Failed, Request, Started, Token
+from barreld.engine.sampling import SamplingParams
 from tests.fakes.backend import EOG, FakeBackend, write_gguf
 
 POLICY = Policy(
@@ -57,6 +59,7 @@ def prose(n_words: int, seed: int) -> bytes:
 class Reply:
     started: Started | None = None
     streamed: bytes = b""
+    streamed_logprobs: tuple = ()  # the Token events' entries, in order
     done: Done | None = None
     error: Exception | None = None
 
@@ -80,12 +83,20 @@ def collect(req: Request) -> Reply:
             reply.started = ev
         elif isinstance(ev, Token):
             reply.streamed += ev.text
+            reply.streamed_logprobs += ev.logprobs
         elif isinstance(ev, Done):
             reply.done = ev
             return reply
         elif isinstance(ev, Failed):
             reply.error = ev.error
             return reply
+
+
+def completion(prompt: bytes, params: dict[str, object]) -> CompletionParams:
+    """CompletionParams from keywords, the sampler's among them (temperature=, seed=, top_k=, ...)."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    sampling = SamplingParams(**{k: v for k, v in params.items() if k in names})
+    return CompletionParams(prompt, sampling=sampling, **{k: v for k, v in params.items() if k not in names})
 
 
 class Engine:
@@ -111,7 +122,7 @@ class Engine:
 
     def submit(self, prompt: bytes, name: str = "m", **params: object) -> Request:
         params.setdefault("max_tokens", 12)
-        return self.registry.get(name).worker.submit(CompletionParams(prompt, **params))
+        return self.registry.get(name).worker.submit(completion(prompt, params))
 
     def run(self, prompt: bytes, name: str = "m", **params: object) -> Reply:
         return collect(self.submit(prompt, name, **params))
@@ -122,7 +133,7 @@ class Engine:
         try:
             other.load(name, LoadOptions(path=self.model_file, **self.options[name]))
             params.setdefault("max_tokens", 12)
-            return collect(other.get(name).worker.submit(CompletionParams(prompt, **params)))
+            return collect(other.get(name).worker.submit(completion(prompt, params)))
         finally:
             other.close()
 

@@ -13,6 +13,9 @@ import pytest
 from barreld.engine.backend import Backend, BackendError, BatchItem, ContextSettings
 from barreld.engine.chat import Message, render
 from barreld.engine.registry import bundled_model_path
+from barreld.engine.sampler import Sampler
+from barreld.engine.sampling import SamplingParams
+from barreld.errors import InvalidArgument
 from tests.fakes.backend import FakeBackend, write_gguf
 
 TEXT = b"The quick brown fox jumps over the lazy dog, because the morning was cold and the river wide."
@@ -121,3 +124,23 @@ def test_positions_held_are_reported_after_a_prefill_a_cut_and_a_clear(be: Backe
     assert be.seq_pos_range(1) == (0, 4)
     be.seq_rm(0, 0, -1)
     assert be.seq_pos_range(0) == (-1, -1)
+
+
+def test_a_grammar_is_matched_against_the_vocabulary_or_refused_without_one(be: Backend) -> None:
+    """llama.cpp's backend hands its vocabulary to the grammar sampler; a backend without one (the fake)
+    refuses a grammar instead of sampling unconstrained."""
+    logits = prefill(be, 0, be.tokenize(TEXT))
+    params = SamplingParams(grammar='root ::= " over the river"')
+    if be.vocab is None:
+        with pytest.raises(InvalidArgument, match="grammar"):
+            Sampler(params, be.n_vocab, be.vocab)
+        return
+    token = Sampler(params, be.n_vocab, be.vocab).sample(logits)
+    assert be.piece(token) and b" over the river".startswith(be.piece(token))
+    # Logits that rule out every token the grammar allows: refused, never told to the grammar (an abort).
+    for temperature in (0.0, 1.0):
+        dead = np.full_like(logits, -np.inf)
+        dead[token] = -np.inf
+        dead[be.tokenize_tail(b"x")[0]] = 1.0
+        with pytest.raises(InvalidArgument, match="allows no token"):
+            Sampler(SamplingParams(temperature=temperature, grammar=params.grammar), be.n_vocab, be.vocab).sample(dead)

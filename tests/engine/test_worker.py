@@ -301,6 +301,27 @@ def test_seeded_sampling_replies_alike_warm_and_cold(engine: Engine) -> None:
     assert engine.cold(a, temperature=0.9, seed=8).text != first.text
 
 
+def test_logprobs_cover_each_token_of_the_text_as_it_streams(engine: Engine) -> None:
+    a = plain(30, 31)
+    reply = engine.run(a, logprobs=3, max_tokens=20)
+    entries = reply.done.logprobs
+    assert entries and b"".join(e.chosen.text for e in entries) == reply.text
+    assert reply.streamed_logprobs == entries
+    for e in entries:
+        assert len(e.top) == 3 and e.top[0].logprob >= e.chosen.logprob and e.chosen.logprob <= 0
+        assert [t.logprob for t in e.top] == sorted((t.logprob for t in e.top), reverse=True)
+    assert engine.run(a, max_tokens=20).done.logprobs == ()
+
+
+def test_a_request_the_sampler_refuses_fails_alone(engine: Engine) -> None:
+    a = plain(20, 32)
+    beyond = engine.run(a, logit_bias=((10**6, 1.0),))
+    assert isinstance(beyond.error, InvalidArgument) and "logit_bias key 1000000" in str(beyond.error)
+    grammar = engine.run(a, grammar='root ::= "a"')  # the fake has no llama.cpp vocabulary to match against
+    assert isinstance(grammar.error, InvalidArgument) and "grammar" in str(grammar.error)
+    assert engine.run(a).text == engine.cold(a).text
+
+
 def test_a_chat_turn_is_the_rendered_template(engine: Engine) -> None:
     be = engine.backend()
     reply = engine.run(b"why is the sky blue?", chat=True)

@@ -126,6 +126,7 @@ class FakeBackend:
         self.n_batch = settings.n_batch
         self.n_seq_max = settings.n_seq_max
         self.n_vocab = N_VOCAB
+        self.vocab = None  # no llama.cpp vocabulary: a grammar is refused
         self.ftype = FTYPE
         self.rope_freq_base = 10000.0
         self.rope_freq_scale = 1.0

@@ -116,7 +116,33 @@ def complete_requests(draw) -> dict:
         chat=draw(st.booleans()),
         max_tokens=draw(st.one_of(st.integers(1, 3), st.none(), int32)),  # None: unset
         seed=draw(st.one_of(st.none(), st.integers(0, 2**32 - 1))),
+        sampling=draw(st.one_of(st.just({}), sampling_fields())),
+        logprobs=draw(st.one_of(st.none(), st.integers(-5, 30), int32)),
     )
+
+
+GRAMMARS = ['root ::= "a"', 'root ::= "b"{3,1}', "root ::= (", 'x ::= "a"', "root ::= root", 'root ::= [a-z]{1,9}']
+SCHEMAS = ['{"type": "object"}', '{"type": "integer", "minimum": 3, "maximum": 1}', '{"not": {}}', "[", "{}",
+           '{"type": "string", "pattern": "^a{99999}$"}', '{"$ref": "#/nowhere"}', '{"anyOf": []}']
+
+
+@st.composite
+def sampling_fields(draw) -> dict:
+    """The Sampling message: each field absent, sensible, out of range or non-finite; constraints that parse,
+    that do not, and one that makes llama.cpp's own parser abort."""
+    def maybe(values: st.SearchStrategy) -> object:
+        return draw(st.one_of(st.none(), values))
+
+    fields = {
+        "top_k": maybe(int32), "top_p": maybe(float32), "min_p": maybe(float32), "typical_p": maybe(float32),
+        "repeat_penalty": maybe(float32), "repeat_last_n": maybe(int32), "presence_penalty": maybe(float32),
+        "frequency_penalty": maybe(float32),
+        "logit_bias": maybe(st.dictionaries(st.one_of(st.integers(-5, 60_000), int64), float32, max_size=3)),
+        "grammar": maybe(st.one_of(st.sampled_from(GRAMMARS), st.text(max_size=30))),
+        "json_schema": maybe(st.one_of(st.sampled_from(SCHEMAS), st.text(max_size=30))),
+        "json_object": maybe(st.booleans()),
+    }
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 policy_keys = st.one_of(
@@ -251,6 +277,33 @@ def test_every_rpc_with_malformed_fields_gets_a_clear_answer_and_the_daemon_serv
     print(f"\nfuzz: {total} examples: {dict(sorted(seen.items()))}")
     assert total >= EXAMPLES
     assert [m.name for m in s.models()] == [PROTECTED]
+    assert "Traceback" not in w.log_text(), w.log_text()[-3000:]
+
+
+def test_every_sampling_field_malformed_gets_a_clear_answer_and_the_daemon_serves_on(hostile) -> None:
+    """The sampler's fields alone, on an otherwise valid request, so each reaches the sampler and the grammar
+    parser: a bad one is INVALID_ARGUMENT with a message, a good one completes, and the daemon lives on."""
+    w, _ = hostile
+    s = w.client()
+    pid = s.daemon_status().pid
+    seen: Counter[str] = Counter()
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(sampling_fields(), st.one_of(st.just(0.0), float32), st.one_of(st.none(), st.integers(-2, 25)))
+    def one(sampling: dict, temperature: float, logprobs: int | None) -> None:
+        kwargs = {"prompt": b"Say something.", "max_tokens": 3, "temperature": temperature, "seed": 1,
+                  "sampling": sampling, "logprobs": logprobs}
+        code, details = invoke(s, "complete", kwargs)
+        seen[code] += 1
+        assert code in {"OK", "INVALID_ARGUMENT"}, (code, details, kwargs)
+        if code != "OK":
+            assert details.strip() and "\n" not in details.strip(), (code, details)
+        assert s.daemon_status(timeout=30).pid == pid
+
+    one()
+    print(f"\nsampling fuzz: {dict(seen)}")
+    assert seen["OK"] and seen["INVALID_ARGUMENT"]
     assert "Traceback" not in w.log_text(), w.log_text()[-3000:]
 
 
