@@ -34,6 +34,20 @@ SwaFull = Annotated[
 ]
 
 
+Aliases = Annotated[
+    list[str] | None,
+    typer.Option("--alias", help="Another name clients may ask for it by, a glob pattern such as 'claude-*' "
+                 "(repeatable)."),
+]
+
+
+def _check_aliases(patterns: list[str]) -> None:
+    for pattern in patterns:
+        problem = alias_problem(pattern)
+        if problem:
+            raise CliError(f"bad --alias {pattern[:40]!r}: {problem}", EXIT_USAGE)
+
+
 def model_json(m) -> dict:
     return {
         "name": m.name,
@@ -120,20 +134,13 @@ def model_load(
     type_k: TypeK = None,
     type_v: TypeV = None,
     swa_full: SwaFull = None,
-    alias: Annotated[
-        list[str] | None,
-        typer.Option("--alias", help="Another name clients may ask for it by, a glob pattern such as 'claude-*' "
-                     "(repeatable)."),
-    ] = None,
+    alias: Aliases = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a model under NAME."""
     _check_context(tier, n_ctx, n_batch, n_seq_max)
     _check_knobs(n_threads, n_gpu_layers, flash_attn, type_k, type_v)
-    for pattern in alias or []:
-        problem = alias_problem(pattern)
-        if problem:
-            raise CliError(f"bad --alias {pattern[:40]!r}: {problem}", EXIT_USAGE)
+    _check_aliases(alias or [])
     resolved = str(path.expanduser().resolve()) if path else ""
     info = state.client().load(
         name,
