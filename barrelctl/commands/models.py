@@ -158,6 +158,10 @@ def model_load(
         swa_full=swa_full,
         aliases=alias or (),
     )
+    _print_loaded(info, json_out)
+
+
+def _print_loaded(info, json_out: bool) -> None:
     if state.want_json(json_out):
         render.print_json(model_json(info))
     else:
