@@ -103,26 +103,30 @@ def test_warm_and_cold_starts_sample_the_same_tokens_with_a_seed(warm: Daemon, c
     assert [e.chosen.logprob for e in again.logprobs] == [e.chosen.logprob for e in reference.logprobs]
 
 
-def chat_logprobs(d: Daemon, stream: bool = False) -> tuple[str, list]:
+def chat_logprobs(d: Daemon, stream: bool = False) -> tuple[str, list, int]:
+    """(the reply, its logprobs entries, the prompt tokens the cache restored)."""
     messages = [{"role": "user", "content": LONG}]
     kw = {"model": "smollm2", "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
           "top_logprobs": 5}
     if not stream:
         reply = d.sdk().chat.completions.create(**kw)
-        return reply.choices[0].message.content, reply.choices[0].logprobs.content
-    text, entries = "", []
-    for chunk in d.sdk().chat.completions.create(**kw, stream=True):
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        return reply.choices[0].message.content, reply.choices[0].logprobs.content, cached
+    text, entries, cached = "", [], 0
+    for chunk in d.sdk().chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             if chunk.choices[0].logprobs is not None:
                 entries += chunk.choices[0].logprobs.content
-    return text, entries
+        else:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens
+    return text, entries, cached
 
 
 def test_top_logprobs_are_five_real_alternatives_a_cold_run_reproduces(warm: Daemon, cold: Daemon) -> None:
     chat_logprobs(warm)  # the second ask starts warm
-    text, entries = chat_logprobs(warm)
-    assert entries and "".join(e.token for e in entries) == text
+    text, entries, cached = chat_logprobs(warm)
+    assert cached > 0 and entries and "".join(e.token for e in entries) == text
     for e in entries:
         assert len(e.top_logprobs) == 5
         probs = [math.exp(a.logprob) for a in e.top_logprobs]
@@ -130,9 +134,10 @@ def test_top_logprobs_are_five_real_alternatives_a_cold_run_reproduces(warm: Dae
         assert probs == sorted(probs, reverse=True)
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy
         assert bytes(e.bytes) == e.token.encode()
-    _, reference = chat_logprobs(cold)
+    _, reference, cold_cached = chat_logprobs(cold)
+    assert cold_cached == 0
     assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in reference]
-    streamed_text, streamed = chat_logprobs(warm, stream=True)
+    streamed_text, streamed, _ = chat_logprobs(warm, stream=True)
     assert streamed_text == text and [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
 

@@ -164,7 +164,7 @@ BAD = [
     ({"logit_bias": {"12": -1000}}, "bad logit_bias[12]"),
     ({"grammar": 'root ::= "a" undefined'}, "bad grammar"),
     ({"grammar": "root ::= ("}, "bad grammar"),
-    ({"grammar": 'root ::= "b"{3,1}'}, "ran out of memory or aborted"),  # kills llama.cpp's parser in-process
+    ({"grammar": 'root ::= "b"{3,1}'}, "ran out of memory or stack"),  # kills llama.cpp's parser in-process
     ({"response_format": schema_format({"type": "object", "properties": {"a": {"type": 7}}})},
      "not a valid JSON Schema"),
     ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "'uniqueItems'"),

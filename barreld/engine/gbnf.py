@@ -61,7 +61,8 @@ def _parse_in_child(text: str) -> str | None:
         return None
     if p.returncode == 1:
         return _reason(p.stderr.decode("utf-8", "replace"))
-    return "llama.cpp's parser ran out of memory or aborted on it (a repetition {m,n} with m above n does that)"
+    return ("llama.cpp's parser ran out of memory or stack on it, or aborted (a repetition {m,n} with m above n, "
+            "or thousands of nested groups, do that)")
 
 
 def _reason(stderr: str) -> str:

@@ -12,7 +12,8 @@ from barreld.errors import InvalidArgument
 @pytest.mark.parametrize(
     ("grammar", "words"),
     [
-        ('root ::= "b"{3,1}', "ran out of memory or aborted"),  # aborts llama.cpp's parser in-process
+        ('root ::= "b"{3,1}', "ran out of memory or stack"),  # aborts llama.cpp's parser in-process
+        ("root ::= " + "(" * 20000 + '"a"' + ")" * 20000, "ran out of memory or stack"),  # overflows its stack
         ("root ::= foo", "Undefined rule identifier 'foo'"),
         ('x ::= "a"', "'root'"),
         ('root ::= root "a"', "left recursion"),
