@@ -64,11 +64,21 @@ def forbidden(path: Path) -> ClientError | None:
     )
 
 
-def _answers(path: Path, timeout: float = 1.0) -> bool:
+def _answers(path: Path, timeout: float = 5.0) -> bool:
+    """Whether a daemon answers on path. A socket nobody listens on refuses at once, so only a live daemon
+    is given `timeout` to answer: a busy machine can keep one from answering within a second."""
+    import socket as socketlib
+
     import grpc
 
     if not os.access(path, os.F_OK) or forbidden(path) is not None:
         return False
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:  # refused: a stale socket file; a timeout: a backlog no daemon drains
+            return False
     channel = grpc.insecure_channel(f"unix:{path}")
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)

@@ -312,7 +312,8 @@ class ModelRegistry:
                 return model
             if name in BUNDLED:
                 return self.load(name, LoadOptions())
-        raise NotFound(f"unknown model {name!r}: it is not loaded; run `barrelctl load {name} --path FILE.gguf` first")
+        shown = name if model_name_problem(name) is None else "NAME"  # a client's name may hold anything
+        raise NotFound(f"unknown model {name!r}: it is not loaded; run `barrelctl load {shown} --path FILE.gguf` first")
 
     def unload(self, name: str) -> int:
         with self._lock:
