@@ -52,6 +52,7 @@ LOG_PERIOD_S = 60.0
 _KIND = re.compile(r"[a-z][a-z0-9_]{0,15}", re.ASCII)
 _NAME = re.compile(rb"\{([0-9a-f]+)\}:([a-z][a-z0-9_]*):([0-9a-f]+)")
 _SCAN_COUNT = 1000
+_ADDRESS = re.compile(r"[A-Za-z0-9.-]+:[0-9]{1,5}\b")
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -173,6 +174,7 @@ class RedisStore:
             ("round_trips", "skipped_down", "hits", "bytes_read", "bytes_written", "writes", "writes_failed",
              "writes_over_quota", "corrupt_deleted"), 0)
         self._stats.update(misses=dict.fromkeys(MISS_KINDS, 0), errors=dict.fromkeys(ERROR_KINDS, 0))
+        self._node_errors: dict[str, dict[str, int]] = {}
         self._reachable = False
         self._rtt_ms: float | None = None
         self._usage: tuple[float, int] | None = None  # (when measured, bytes of Barrel's values then + since)
@@ -195,12 +197,14 @@ class RedisStore:
         """Which keys have a value, in one round trip (all False when Redis cannot be asked)."""
         return self.exists_refs([Ref(kind, key, tag) for key in keys])
 
-    def exists_refs(self, refs: Sequence[Ref]) -> list[bool]:
-        """Which objects, of any kinds, have a value: one round trip (all False when Redis cannot be asked)."""
+    def exists_refs(self, refs: Sequence[Ref], *, touch: bool = False) -> list[bool]:
+        """Which objects, of any kinds, have a value: one round trip (all False when Redis cannot be asked).
+        `touch` also marks them used (TOUCH), so an LRU policy keeps a value that a writer relies on."""
         names = [self._name(*ref) for ref in refs]
         if not names:
             return []
-        replies = self._round_trip("probe", lambda p: [p.exists(n) for n in names], probe=True)
+        ask = "touch" if touch else "exists"
+        replies = self._round_trip("probe", lambda p: [getattr(p, ask)(n) for n in names], probe=True)
         if replies is None:
             return [False] * len(names)
         return [r == 1 for r in replies]
@@ -416,14 +420,25 @@ class RedisStore:
         self._error(what, error_kind(exc), exc)
 
     def _error(self, what: str, kind: str, exc: BaseException) -> None:
+        node = self._node_of(exc)
         with self._lock:
             self._stats["errors"][kind] += 1
+            by_kind = self._node_errors.setdefault(node, dict.fromkeys(ERROR_KINDS, 0))
+            by_kind[kind] += 1
         text = str(exc)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         self._warn.warn(kind, f"redis {self.settings.redacted_url}: {what} failed ({kind}): {text}")
 
     # ---- names and counters -------------------------------------------------------------------
+
+    def _node_of(self, exc: BaseException) -> str:
+        """The server an error came from, as host:port (a socket's path): the one server, or for a cluster
+        the node its message names ("cluster" when it names none: a refusal of the cluster as a whole)."""
+        if not self.settings.cluster:
+            return self.settings.address
+        found = _ADDRESS.search(str(exc))
+        return found[0] if found else "cluster"
 
     def name(self, ref: Ref) -> bytes:
         """The Redis key an object lives under (for operators: `cache dump` shows it)."""
@@ -454,7 +469,8 @@ class RedisStore:
     def stats(self) -> dict[str, Any]:
         """Counters since start, plus whether the server answered last time and the last probe's RTT."""
         with self._lock:
-            out = {**self._stats, "misses": dict(self._stats["misses"]), "errors": dict(self._stats["errors"])}
+            out = {**self._stats, "misses": dict(self._stats["misses"]), "errors": dict(self._stats["errors"]),
+                   "node_errors": {node: dict(kinds) for node, kinds in self._node_errors.items()}}
             out.update(reachable=self._reachable, rtt_ms=self._rtt_ms, down=self._backoff.down,
                        used_bytes=self._usage[1] if self._usage else None, quota=self.settings.quota)
         return out
