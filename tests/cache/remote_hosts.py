@@ -44,10 +44,10 @@ def mirrored(store: CacheStore) -> int:
     return s["mirrors"] + s["mirrors_failed"] + s["mirrors_present"]
 
 
-def publish(store: CacheStore, ckpt: Checkpoint, tier: str = "disk") -> None:
+def publish(store: CacheStore, ckpt: Checkpoint, tier: str = "disk", prefixes: tuple = ()) -> None:
     """Save, and wait for the mirror behind it: the writer pool runs it after the publish."""
     before = mirrored(store)
-    assert store.save(ckpt, tier, sync=True).status == "published"
+    assert store.save(ckpt, tier, prefixes, sync=True).status == "published"
     deadline = time.monotonic() + 10
     while mirrored(store) == before:
         assert time.monotonic() < deadline, "the mirror never ran"

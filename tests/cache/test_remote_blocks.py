@@ -47,8 +47,7 @@ def test_a_prefix_alias_restores_a_row_of_blocks(host: Host) -> None:
     a, b = host("a", block_tokens=B), host("b", block_tokens=B)
     c = ckpt(70, 6)
     head = SCHEME.key(bytes(c.rendered[:40]))
-    assert a.save(c, "ram", [(head, 20)], sync=True).status == "published"
-    publish(a, ckpt(71, 7))  # a second publish: the first one's mirror has run by then too
+    publish(a, c, prefixes=((head, 20),))
     [hit] = b.lookup_remote([head])
     assert hit is not None and (hit.row_key, hit.n_tokens) == (c.key, 20)
     with b.restore(hit) as got:
