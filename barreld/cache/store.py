@@ -654,7 +654,7 @@ class CacheStore:
         ckpt = self.remote.fetch(hit, self._local_blocks)  # type: ignore[arg-type]  # a remote tier's hits are RemoteHits
         if ckpt is not None:
             self.counters.add_ns("restore_ns", time.perf_counter_ns() - t0)
-            if promote_to is not None:
+            if promote_to is not None and ckpt.frontier_tokens >= hit.frontier:  # not a prefix's blocks alone
                 self.save(ckpt, promote_to)
         return ckpt
 

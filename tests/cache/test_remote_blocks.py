@@ -11,7 +11,7 @@ from barreld.cache.remote.redis import HEADER, ROW_KIND, Ref
 from barreld.cache.remote.tier import BLOCK_KIND
 from tests.cache.conftest import SCHEME
 from tests.cache.remote_hosts import Host, publish, restored
-from tests.cache.test_blocks import B, ckpt
+from tests.cache.test_blocks import B, ckpt, state
 
 
 def block_names(redis_server: RedisServer) -> list[bytes]:
@@ -43,15 +43,20 @@ def test_a_shared_head_is_sent_once_and_each_host_fetches_only_what_it_lacks(
     assert a.check() == [] and b.check() == []
 
 
-def test_a_prefix_alias_restores_a_row_of_blocks(host: Host) -> None:
+def test_a_prefix_alias_fetches_only_the_blocks_that_cover_the_prefix(host: Host) -> None:
     a, b = host("a", block_tokens=B), host("b", block_tokens=B)
-    c = ckpt(70, 6)
+    c = ckpt(70, 6)  # 4 blocks of 16 and a tail of 6
     head = SCHEME.key(bytes(c.rendered[:40]))
     publish(a, c, prefixes=((head, 20),))
     [hit] = b.lookup_remote([head])
     assert hit is not None and (hit.row_key, hit.n_tokens) == (c.key, 20)
-    with b.restore(hit) as got:
-        assert got is not None and bytes(got.state) == bytes(c.state)
+    with b.restore(hit, promote_to="disk") as got:
+        # Blocks 0 and 1 cover the 20 tokens: their cells are the state of the first 32 tokens.
+        assert got is not None and bytes(got.state) == state(2 * B)
+        assert got.frontier_tokens == 2 * B and got.logits is None and got.key == c.key
+    assert b.remote.stats()["blocks_fetched"] == 2
+    assert b.pending(c.key) is None and b.lookup(c.key) is None  # a prefix's state is not promoted as the row
+    assert restored(b, c.key).state == bytes(c.state)  # the whole row, exactly
 
 
 @pytest.mark.parametrize("damage", ["evicted", "overwritten"])

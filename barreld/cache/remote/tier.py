@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from barreld.names import REDIS_TIER
+from barreld.names import REDIS_TIER, MemoryKind
 
 from .. import blocks, stateformat
 from ..checkpoint import Buffer, Checkpoint, decode, encode_parts, encoded_size
@@ -86,6 +86,13 @@ class RemoteHit(Hit):
     """A lookup's find in the remote tier: also the parts (kind, key, length) to fetch for it."""
 
     parts: tuple[Part, ...] = ()
+    block_tokens: int = 0  # tokens per block of a row of blocks (0: a whole state)
+
+    @property
+    def blocks_needed(self) -> int:
+        """The leading blocks that cover its first n_tokens: a prefix hit needs no more of a row's blocks."""
+        named = len(self.parts) - 1
+        return named if not self.block_tokens else min(named, -(-self.n_tokens // self.block_tokens))
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class RowInfo:
     created: float
     parts: tuple[Part, ...]
     frontier: int = 0  # leading tokens its state holds reusably; 0 (a row that does not say): none
+    block_tokens: int = 0
 
     @classmethod
     def of(cls, ckpt: Checkpoint) -> RowInfo:
@@ -108,13 +116,14 @@ class RowInfo:
         chain = ckpt.chain
         named = [(BLOCK_KIND, key, chain.block_size) for key in chain.keys] if chain is not None else []
         return cls(ckpt.key, ckpt.model, ckpt.fingerprint, len(ckpt.tokens), len(ckpt.rendered), ckpt.save_reason,
-                   ckpt.created, ((CKPT_KIND, ckpt.key, encoded_size(ckpt)), *named), ckpt.frontier_tokens)
+                   ckpt.created, ((CKPT_KIND, ckpt.key, encoded_size(ckpt)), *named), ckpt.frontier_tokens,
+                   chain.block_tokens if chain is not None else 0)
 
     def as_json(self) -> dict[str, Any]:
         return {"v": ROW_FORMATS[-1], "key": self.key.hex(), "model": self.model, "fingerprint": self.fingerprint.hex(),
                 "tokens": self.tokens, "text_bytes": self.text_bytes, "save_reason": self.save_reason,
                 "created": self.created, "parts": [[k, key.hex(), n] for k, key, n in self.parts],
-                "frontier": self.frontier}
+                "frontier": self.frontier, "block_tokens": self.block_tokens}
 
     @classmethod
     def from_json(cls, d: Any) -> RowInfo:
@@ -123,7 +132,8 @@ class RowInfo:
             raise ValueError(f"row format {d['v']!r}")
         parts = tuple((str(k), bytes.fromhex(key), int(n)) for k, key, n in d["parts"])
         info = cls(bytes.fromhex(d["key"]), str(d["model"]), bytes.fromhex(d["fingerprint"]), int(d["tokens"]),
-                   int(d["text_bytes"]), str(d["save_reason"]), float(d["created"]), parts, int(d.get("frontier", 0)))
+                   int(d["text_bytes"]), str(d["save_reason"]), float(d["created"]), parts, int(d.get("frontier", 0)),
+                   int(d.get("block_tokens", 0)))
         if (len(info.key) != 32 or not parts or parts[0][:2] != (CKPT_KIND, info.key) or info.tokens < 1
                 or any(k != BLOCK_KIND or len(key) != 32 or n < 1 for k, key, n in parts[1:])):
             raise ValueError("malformed row description")
@@ -143,7 +153,8 @@ class RowInfo:
         return [key for _, key, _ in self.parts[1:]]
 
     def hit(self, n_tokens: int) -> RemoteHit:
-        return RemoteHit(self.key, n_tokens, REDIS_TIER, self.tokens, self.text_bytes, self.frontier, self.parts)
+        return RemoteHit(self.key, n_tokens, REDIS_TIER, self.tokens, self.text_bytes, self.frontier, self.parts,
+                         self.block_tokens)
 
 
 @dataclass
@@ -277,7 +288,7 @@ class RemoteTier:
         """The hit's whole checkpoint, every value's checksum, the file's and its key verified; None (counted,
         and the row dropped from Redis when it is damaged or incomplete) for a miss. The blocks `local` holds
         are read from it; the ckpt part and every other block come in one round trip."""
-        wanted = [key for key in _block_keys(hit) if local is None or not local.has(key)]
+        wanted = [key for key in _block_keys(hit)[: hit.blocks_needed] if local is None or not local.has(key)]
         fetched = self.store.fetch_refs([part_ref(CKPT_KIND, hit.row_key, hit.row_key),
                                          *(Ref(BLOCK_KIND, key) for key in wanted)])
         why = next((w for _, w in fetched if w is not None), None)
@@ -287,18 +298,23 @@ class RemoteTier:
             return self._failed_fetch(hit, why, f"a part of row {hit.row_key.hex()} is {why}")
         got = {key: view for key, (view, _) in zip(wanted, fetched[1:], strict=True)}
         try:
-            ckpt = self._assembled(hit, fetched[0][0], got, local)
+            ckpt, used = self._assembled(hit, fetched[0][0], got, local)
         except CorruptCheckpoint as e:
             why = "missing" if isinstance(e, _BlockMissing) else "corrupt"
             return self._failed_fetch(hit, why, f"row {hit.row_key.hex()}: {e}")
-        self._count("hits", blocks_fetched=len(wanted), blocks_local=len(hit.parts) - 1 - len(wanted),
-                    bytes_local=sum(n for _, key, n in hit.parts[1:] if key not in got))
+        here = [key for key in used if key not in got]
+        self._count("hits", blocks_fetched=len(got), blocks_local=len(here),
+                    bytes_local=len(here) * (hit.parts[1][2] if here else 0))
         return ckpt
 
     def _assembled(self, hit: RemoteHit, own: memoryview, got: dict[bytes, memoryview],
-                   local: LocalBlocks | None) -> Checkpoint:
-        """The checkpoint from its own file and its blocks (fetched, else local, else fetched now), into a
-        buffer of its own: a promotion's async save may still read it after the next restore."""
+                   local: LocalBlocks | None) -> tuple[Checkpoint, tuple[bytes, ...]]:
+        """The checkpoint from its own file and its blocks (fetched, else local, else fetched now; `got` gains
+        each one fetched), into a buffer of its own: a promotion's async save may still read it after the next
+        restore. Also the keys of the blocks it was assembled from.
+
+        For a prefix hit on full attention, only the blocks that cover the prefix: their cells alone are the
+        prefix's state (causal attention), without the row's tail and logits."""
         ckpt = decode(own)
         ckpt.check_key()
         chain = ckpt.chain
@@ -306,7 +322,15 @@ class RemoteTier:
                 or list(chain.keys if chain is not None else ()) != _block_keys(hit)):
             raise CorruptCheckpoint("the checkpoint does not match its row")
         if chain is None:
-            return ckpt
+            return ckpt, ()
+        if hit.blocks_needed < len(chain.keys) and not chain.opaque and ckpt.memory == MemoryKind.FULL.value:
+            ckpt = replace(ckpt, state=b"", chain=replace(chain, keys=chain.keys[: hit.blocks_needed], tail=0),
+                           logits=None, logits_at=None, frontier=hit.blocks_needed * chain.block_tokens)
+            chain = ckpt.chain
+        rest = [key for key in chain.keys if key not in got and (local is None or not local.has(key))]
+        for key, (view, _) in zip(rest, self.store.fetch_refs([Ref(BLOCK_KIND, key) for key in rest]), strict=True):
+            if view is not None:
+                got[key] = view
 
         def load(i: int) -> memoryview:
             key = chain.keys[i]
@@ -320,10 +344,11 @@ class RemoteTier:
                 [(view, why)] = self.store.fetch_refs([Ref(BLOCK_KIND, key)])
                 if view is None:
                     raise _BlockMissing(f"block {i} of {len(chain.keys)} is {why}")
+                got[key] = view
             return blocks.decode_block(view, key)
 
         whole = blocks.assemble(ckpt, load, out=bytearray)
-        return replace(whole, layout=stateformat.shape_from_json(chain.shape))
+        return replace(whole, layout=stateformat.shape_from_json(chain.shape)), chain.keys
 
     def _failed_fetch(self, hit: RemoteHit, why: str, message: str) -> None:
         self._miss(why, message)
