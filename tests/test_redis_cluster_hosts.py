@@ -1,0 +1,88 @@
+"""Two real barreld processes on a real 3-primary Redis Cluster, with the real model: host B warm-starts from
+host A's prompts through the cluster; a conversation that a round-robin spreads over both hosts is warm on
+every turn after the first; a killed node is a cold reply on both hosts and loses no local row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from barrelctl.redis_sandbox import ClusterSandbox
+from barrelctl.sandbox import Sandbox
+from tests.test_cache_paths import CHUNK, complete, doc
+from tests.test_redis_hosts import cold_host, local_rows, served, two_hosts, warm_starts
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+TURNS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ClusterSandbox]:
+    with ClusterSandbox.start(primaries=3) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pair(cluster: ClusterSandbox) -> Iterator[tuple[Sandbox, Sandbox]]:
+    with two_hosts(cluster) as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Sandbox]:
+    """The reply a single host gives: a host that saves nothing, so every reply is a cold prefill."""
+    with cold_host() as w:
+        yield w
+
+
+def visible(cluster: ClusterSandbox, key: str) -> float:
+    """Seconds until the row `key` can be read from the cluster (a reply's finish save, mirrored)."""
+    start = time.monotonic()
+    name = f"barrel:{{{key}}}:row:{key}"
+    with cluster.admin() as admin:
+        while not admin.exists(name):
+            assert time.monotonic() - start < 60, f"row {key} never reached Redis"
+            time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_host_b_warm_starts_from_host_a_through_a_cluster(pair: tuple[Sandbox, Sandbox], reference: Sandbox) -> None:
+    warm_starts(*pair, reference)
+
+
+def test_a_conversation_alternating_hosts_is_warm_on_every_turn_after_the_first(
+    pair: tuple[Sandbox, Sandbox], reference: Sandbox, cluster: ClusterSandbox
+) -> None:
+    """A round-robin load balancer: turn k goes to host k % 2. Each turn's prompt is the last prompt, its
+    reply and a new message, sent with the last reply's key as its parent (as the CLI's --parent-key); its
+    reply equals the single host's, and it restores the last turn's finish checkpoint, which the other host
+    mirrored, up to a chunk boundary. The mirror delays are printed (bench/ measures them)."""
+    prompt, parent, delays, paths, previous = doc(40, 330), [], [], [], 0
+    for turn in range(TURNS):
+        complete(reference, "Zebras flush the context.", "--max-tokens", "2")
+        got, ref = complete(pair[turn % 2], prompt, *parent), complete(reference, prompt)
+        assert got["text"] == ref["text"], (turn, got["cache"])
+        paths.append((got["cache"]["path"], got["cache"]["tier"], got["cache"]["restored_tokens"]))
+        assert not turn or got["cache"]["restored_tokens"] >= previous > 0, paths
+        delays.append(visible(cluster, got["key"]))
+        previous = got["tokens"]["prompt"] - CHUNK  # reuse stops at a chunk boundary
+        prompt, parent = prompt + got["text"] + "\n" + doc(50 + turn, 30), ["--parent-key", got["key"]]
+    print(f"mirror delays (s): {', '.join(f'{d:.3f}' for d in delays)}; paths: {paths}")
+
+
+@pytest.mark.faults
+def test_a_killed_node_is_a_cold_reply_and_no_local_row_is_lost(
+    pair: tuple[Sandbox, Sandbox], reference: Sandbox, cluster: ClusterSandbox
+) -> None:
+    a, b = pair
+    prompt = doc(60, 330)
+    served(a, reference, prompt)
+    rows_a, rows_b = local_rows(a), local_rows(b)
+    cluster.nodes[0].kill()
+    for w in (b, a):
+        assert served(w, reference, prompt if w is b else doc(61, 330))["text"]
+    assert local_rows(a) >= rows_a and local_rows(b) >= rows_b
+    for w in (a, b):
+        assert w.ctl("--json", "cache", "verify").json()["bad"] == []
