@@ -9,6 +9,7 @@ import pytest
 from barrelctl.redis_sandbox import RedisServer
 from barreld.cache.remote.redis import HEADER, ROW_KIND, Ref
 from barreld.cache.remote.tier import BLOCK_KIND
+from barreld.server.metrics import Metrics
 from tests.cache.conftest import SCHEME
 from tests.cache.remote_hosts import Host, publish, restored
 from tests.cache.test_blocks import B, ckpt, state
@@ -95,3 +96,18 @@ def test_evict_keeps_blocks_another_row_names_and_gc_removes_them_all(
     assert a.remote.evict(float("inf"))[0] == 1 and block_names(redis_server) == []
     publish(a, ckpt(48, 0))
     assert a.remote.gc() == 1 and redis_server.admin().keys("*") == []
+
+
+def test_metrics_show_blocks_written_skipped_and_errors_by_node(host: Host, redis_server: RedisServer) -> None:
+    a = host("a", block_tokens=B)
+    publish(a, ckpt(64, 5))
+    publish(a, ckpt(80, 0))
+    redis_server.kill()
+    assert a.lookup_remote([SCHEME.key(b"anything")]) == [None]
+    text = Metrics(a, lambda: []).render().decode()
+    assert 'barrel_redis_blocks_total{outcome="written"} 6.0' in text
+    assert 'barrel_redis_blocks_total{outcome="skipped"} 3.0' in text
+    skipped = a.stats()["redis"]["bytes_skipped"]
+    assert skipped > 0 and f"barrel_redis_bytes_skipped_total {float(skipped)!r}" in text
+    node = a.remote.store.settings.address
+    assert f'barrel_redis_errors_total{{kind="refused",node="{node}"}}' in text
