@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -240,6 +241,23 @@ class ClusterSandbox:
                 raise RuntimeError(f"the cluster did not come up: {logs}")
             time.sleep(0.1)
 
+    def migrate_slot_of(self, key: bytes, during: Callable[[], object]) -> RedisServer:
+        """Move the slot of `key` to another primary as a resharding does: `key` first, then `during()` runs
+        (a client asking for `key` gets ASK from the old primary; the slot's other keys are still there), then
+        the slot's other keys, then the slot is the new primary's (MOVED from then). Returns the new primary."""
+        source = self.primary_of(key)
+        target = next(n for n in self.live() if n is not source and _role(n) == b"master")
+        with self.admin() as admin:
+            slot = admin.keyslot(key)
+        self.begin_migration(slot, source, target)
+        try:
+            self.move_keys(slot, source, target, [key])
+            during()
+            self.move_keys(slot, source, target)
+        finally:
+            self.end_migration(slot, target)
+        return target
+
     def begin_migration(self, slot: int, source: RedisServer, target: RedisServer) -> None:
         """Mark `slot` importing on `target` and migrating on `source`, as `redis-cli --cluster reshard` does
         first: from now on a key not found on the source is answered with ASK."""
@@ -264,3 +282,8 @@ class ClusterSandbox:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+def _role(node: RedisServer) -> bytes:
+    with node.admin() as c:
+        return c.execute_command("ROLE")[0]

@@ -12,7 +12,7 @@ import pytest
 from barrelctl.redis_sandbox import ClusterSandbox
 from barrelctl.sandbox import Sandbox
 from tests.test_cache_paths import CHUNK, complete, doc
-from tests.test_redis_hosts import cold_host, local_rows, served, two_hosts, warm_starts
+from tests.test_redis_hosts import cold_host, local_rows, served, settle, two_hosts, warm_starts
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 TURNS = 8
@@ -70,6 +70,22 @@ def test_a_conversation_alternating_hosts_is_warm_on_every_turn_after_the_first(
         previous = got["tokens"]["prompt"] - CHUNK  # reuse stops at a chunk boundary
         prompt, parent = prompt + got["text"] + "\n" + doc(50 + turn, 30), ["--parent-key", got["key"]]
     print(f"mirror delays (s): {', '.join(f'{d:.3f}' for d in delays)}; paths: {paths}")
+
+
+@pytest.mark.faults
+def test_a_slot_migration_during_traffic_is_a_warm_or_cold_reply_never_an_error(
+    pair: tuple[Sandbox, Sandbox], reference: Sandbox, cluster: ClusterSandbox
+) -> None:
+    """The slot of A's finish row moves to another primary while B asks for it: the row first (B's client
+    gets ASK for it), the rest after; every reply equals the cold one."""
+    a, b = pair
+    prompt = doc(70, 330)
+    reply = served(a, reference, prompt)
+    settle(a, reply)
+    row = f"barrel:{{{reply['key']}}}:row:{reply['key']}".encode()
+    target = cluster.migrate_slot_of(row, lambda: served(b, reference, prompt))
+    served(b, reference, prompt + " and then, far from the river, a letter came in the morning")
+    assert cluster.primary_of(row) is target
 
 
 @pytest.mark.faults

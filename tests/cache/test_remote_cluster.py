@@ -110,17 +110,7 @@ def test_a_slot_migration_during_traffic_is_followed(on_cluster: Host, cluster: 
     first = ckpt(64, 5)
     publish(a, first)
     row = a.remote.store.name(Ref(ROW_KIND, first.key))
-    source = cluster.primary_of(row)
-    target = next(n for n in cluster.nodes if n is not source)
-    with cluster.admin() as admin:
-        slot = admin.keyslot(row)
-    cluster.begin_migration(slot, source, target)
-    try:
-        cluster.move_keys(slot, source, target, [row])  # the row moved, its ckpt part not yet: ASK
-        same_or_miss(b, first)
-        cluster.move_keys(slot, source, target)
-    finally:
-        cluster.end_migration(slot, target)
+    target = cluster.migrate_slot_of(row, lambda: same_or_miss(b, first))  # the row moved, its part not yet: ASK
     assert same_or_miss(b, first)  # MOVED: the client asks the new owner
     assert cluster.primary_of(row) is target
     assert a.lookup(first.key) is not None and b.check() == []
