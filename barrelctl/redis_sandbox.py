@@ -273,9 +273,9 @@ class ClusterSandbox:
                 s.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *names)
 
     def end_migration(self, slot: int, target: RedisServer) -> None:
-        """Give the slot to `target` on every node: clients asking elsewhere now get MOVED."""
+        """Give the slot to `target` on every primary: clients asking elsewhere now get MOVED."""
         owner = self.node_id(target)
-        for node in self.live():
+        for node in (n for n in self.live() if _role(n) == b"master"):
             with node.admin() as c:
                 c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner)
 

@@ -1,6 +1,7 @@
-"""Two real barreld processes on a real 3-primary Redis Cluster, with the real model: host B warm-starts from
-host A's prompts through the cluster; a conversation that a round-robin spreads over both hosts is warm on
-every turn after the first; a killed node is a cold reply on both hosts and loses no local row."""
+"""Two real barreld processes on a real Redis Cluster (3 primaries, a replica each), with the real model: host B
+warm-starts from host A's prompts through the cluster; a conversation that a round-robin spreads over both
+hosts is warm on every turn after the first; a slot migration, a failover and a killed primary are warm or
+cold replies, never errors, on both hosts, and lose no local row."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ TURNS = 8
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ClusterSandbox]:
-    with ClusterSandbox.start(primaries=3) as c:
+    with ClusterSandbox.start(primaries=3, replicas=1) as c:  # the replicas: for CLUSTER FAILOVER
         yield c
 
 
@@ -59,7 +60,7 @@ def test_a_conversation_alternating_hosts_is_warm_on_every_turn_after_the_first(
     reply and a new message, sent with the last reply's key as its parent (as the CLI's --parent-key); its
     reply equals the single host's, and it restores the last turn's finish checkpoint, which the other host
     mirrored, up to a chunk boundary. The mirror delays are printed (bench/ measures them)."""
-    prompt, parent, delays, paths, previous = doc(40, 330), [], [], [], 0
+    prompt, parent, delays, paths, previous = doc(40, 200), [], [], [], 0
     for turn in range(TURNS):
         complete(reference, "Zebras flush the context.", "--max-tokens", "2")
         got, ref = complete(pair[turn % 2], prompt, *parent), complete(reference, prompt)
@@ -68,7 +69,7 @@ def test_a_conversation_alternating_hosts_is_warm_on_every_turn_after_the_first(
         assert not turn or got["cache"]["restored_tokens"] >= previous > 0, paths
         delays.append(visible(cluster, got["key"]))
         previous = got["tokens"]["prompt"] - CHUNK  # reuse stops at a chunk boundary
-        prompt, parent = prompt + got["text"] + "\n" + doc(50 + turn, 30), ["--parent-key", got["key"]]
+        prompt, parent = prompt + got["text"] + "\n" + doc(50 + turn, 20), ["--parent-key", got["key"]]
     print(f"mirror delays (s): {', '.join(f'{d:.3f}' for d in delays)}; paths: {paths}")
 
 
@@ -79,7 +80,7 @@ def test_a_slot_migration_during_traffic_is_a_warm_or_cold_reply_never_an_error(
     """The slot of A's finish row moves to another primary while B asks for it: the row first (B's client
     gets ASK for it), the rest after; every reply equals the cold one."""
     a, b = pair
-    prompt = doc(70, 330)
+    prompt = doc(70, 200)
     reply = served(a, reference, prompt)
     settle(a, reply)
     row = f"barrel:{{{reply['key']}}}:row:{reply['key']}".encode()
@@ -89,16 +90,35 @@ def test_a_slot_migration_during_traffic_is_a_warm_or_cold_reply_never_an_error(
 
 
 @pytest.mark.faults
+def test_a_failover_during_traffic_is_a_warm_or_cold_reply_never_an_error(
+    pair: tuple[Sandbox, Sandbox], reference: Sandbox, cluster: ClusterSandbox
+) -> None:
+    """CLUSTER FAILOVER hands the primary of A's finish row to its replica while B asks for it."""
+    a, b = pair
+    prompt = doc(80, 200)
+    reply = served(a, reference, prompt)
+    settle(a, reply)
+    primary = cluster.primary_of(f"barrel:{{{reply['key']}}}:row:{reply['key']}".encode())
+    with cluster.replica_of(primary).admin() as replica:
+        replica.execute_command("CLUSTER", "FAILOVER")
+    served(b, reference, prompt)
+    cluster.wait_ok()
+    after = doc(81, 200)
+    settle(a, served(a, reference, after))
+    served(b, reference, after)
+
+
+@pytest.mark.faults
 def test_a_killed_node_is_a_cold_reply_and_no_local_row_is_lost(
     pair: tuple[Sandbox, Sandbox], reference: Sandbox, cluster: ClusterSandbox
 ) -> None:
     a, b = pair
-    prompt = doc(60, 330)
+    prompt = doc(60, 200)
     served(a, reference, prompt)
     rows_a, rows_b = local_rows(a), local_rows(b)
-    cluster.nodes[0].kill()
+    cluster.primary_of(b"barrel:{00}:row:00").kill()  # a primary, whose slots are missing until its replica takes over
     for w in (b, a):
-        assert served(w, reference, prompt if w is b else doc(61, 330))["text"]
+        assert served(w, reference, prompt if w is b else doc(61, 200))["text"]
     assert local_rows(a) >= rows_a and local_rows(b) >= rows_b
     for w in (a, b):
         assert w.ctl("--json", "cache", "verify").json()["bad"] == []
