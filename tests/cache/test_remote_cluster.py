@@ -64,6 +64,9 @@ def test_hosts_share_rows_of_blocks_spread_over_the_nodes(on_cluster: Host, clus
     row_home = cluster.primary_of(store.name(Ref(ROW_KIND, second.key)))
     assert cluster.primary_of(store.name(Ref(CKPT_KIND, second.key, second.key))) is row_home  # one slot
     assert a.stats()["redis"]["node_errors"] == {} and b.check() == []
+    assert {r["key"] for r in a.remote.dump()} == {first.key.hex(), second.key.hex()}  # SCAN over every primary
+    assert a.remote.evict(1)[0] == 1 and len(a.remote.dump()) == 1
+    assert a.remote.gc() == 1 and store.scan() == []
 
 
 def warm_again(a: CacheStore, b: CacheStore, first: int = 48) -> Checkpoint:
