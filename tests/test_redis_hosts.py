@@ -128,6 +128,21 @@ def warm_starts(a: Sandbox, b: Sandbox, cold: Sandbox) -> None:
     assert table.rc == 0 and "reachable" in table.out and "yes" in table.out
 
 
+def test_a_short_prefix_of_a_long_row_restores_from_its_first_blocks_alone(
+    hosts: tuple[Sandbox, Sandbox], cold: Sandbox
+) -> None:
+    """A's row holds 4 whole blocks; B's prompt shares only its first 256 tokens: B fetches the 2 blocks that
+    cover them (no tail, no logits, no later block), and replies as cold."""
+    a, b = hosts
+    words = doc(3, 500)
+    settle(a, served(a, cold, words))
+    before = remote(b)
+    got = served(b, cold, " ".join(words.split()[:280]) + " and then, far from the river, a letter came")
+    assert (got["cache"]["path"], got["cache"]["tier"], got["cache"]["restored_tokens"]) == (
+        "longest_prefix", "redis", 256), got["cache"]
+    assert remote(b)["blocks_fetched"] - before["blocks_fetched"] == 2
+
+
 @pytest.mark.faults
 def test_every_redis_fault_is_a_cold_reply_and_no_local_row_is_lost(
     hosts: tuple[Sandbox, Sandbox], cold: Sandbox, redis: RedisServer
