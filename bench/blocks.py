@@ -74,6 +74,19 @@ class Trie:
             node = node[t]
 
 
+def drive(prompts, tok: Tokenizer, trie: Trie, serve) -> None:
+    """Feeds each prompt of the `prompts` generator to `serve(prompt) -> reply text` and the reply back to the
+    generator; each prompt's tokens go into `trie` first."""
+    reply = None
+    while True:
+        try:
+            prompt = prompts.send(reply)
+        except StopIteration:
+            return
+        trie.add(tok._llm.tokenize(prompt.encode(), add_bos=True, special=True))
+        reply = serve(prompt)
+
+
 def run_trace(name: str, prompts, configs: tuple[int, ...], tok: Tokenizer) -> dict:
     """Sends each prompt (from the `prompts` generator, which is told each reply) to every daemon."""
     out = {"name": name, "configs": list(configs), "stored": {str(b): [] for b in configs}, "distinct": [],
@@ -82,23 +95,21 @@ def run_trace(name: str, prompts, configs: tuple[int, ...], tok: Tokenizer) -> d
     with_daemons = [daemon(b) for b in configs]
     for d in with_daemons:
         d.start()
-    try:
+
+    def serve(prompt: str) -> str:
         reply = None
-        while True:
-            try:
-                prompt = prompts.send(reply)
-            except StopIteration:
-                break
-            trie.add(tok._llm.tokenize(prompt.encode(), add_bos=True, special=True))
-            reply = None
-            for b, d in zip(configs, with_daemons, strict=True):
-                c = d.complete(prompt, max_tokens=24)
-                reply = reply if reply is not None else reply_text(c.text)
-                out["stored"][str(b)].append(settle(d))
-            out["distinct"].append(trie.nodes)
-            out["tokens"].append(c.prompt_tokens)
-            progress(f"  {name} request {len(out['distinct']):2d}: {c.prompt_tokens} tokens, distinct {trie.nodes}, "
-                     + ", ".join(f"B={b}: {out['stored'][str(b)][-1] / 1e6:.1f} MB" for b in configs))
+        for b, d in zip(configs, with_daemons, strict=True):
+            c = d.complete(prompt, max_tokens=24)
+            reply = reply if reply is not None else reply_text(c.text)
+            out["stored"][str(b)].append(settle(d))
+        out["distinct"].append(trie.nodes)
+        out["tokens"].append(c.prompt_tokens)
+        progress(f"  {name} request {len(out['distinct']):2d}: {c.prompt_tokens} tokens, distinct {trie.nodes}, "
+                 + ", ".join(f"B={b}: {out['stored'][str(b)][-1] / 1e6:.1f} MB" for b in configs))
+        return reply
+
+    try:
+        drive(prompts, tok, trie, serve)
     finally:
         for d in with_daemons:
             d.stop()

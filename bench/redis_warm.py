@@ -88,8 +88,7 @@ def table(r: dict[str, list[float]], reps: int) -> Table:
               f"(daemon's; medians of {reps})",
               ["", "ttft", "/ cold", "target", "", "bytes over the network per request"],
               note=f"{m['cpu']}, {m['cores']} cores, load average {os.getloadavg()[0]:.1f} at the end of the run; "
-                   "redis-server on 127.0.0.1 (no persistence), two barrelds on the same machine. Whole-checkpoint "
-                   "values: with the block store, figures are pending.")
+                   "redis-server on 127.0.0.1 (no persistence), two barrelds on the same machine.")
     t.add("cold prefill (host A)", ms(cold), "1", "", "", "-")
     t.add("warm from Redis (host B's first request)", ms(median(r["redis"])), frac(median(r["redis"]), cold),
           f"<= 1/{TARGET}", verdict(median(r["redis"]) * TARGET <= cold),
@@ -106,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     t = table(run(args.tokens, args.reps), args.reps)
     text = "## 7. Several hosts: a warm start from Redis\n\n" + t.markdown() + (
-        "\n\nWith the block store (block_tokens 128, the default) the remote tier still stores and sends whole "
-        "states: the same bytes per request as above. Splitting remote values into blocks, so that blocks already "
-        "in Redis are not sent again, is not done yet.\n")
+        "\n\nRedis holds rows of blocks (block_tokens 128, the default): B's first request for a prompt it lacks "
+        "entirely reads about one state, a host that holds part of it reads only the rest, and a mirror sends only "
+        "the blocks Redis lacks; section 9 (`python -m bench.redis_blocks`) measures the bytes per request.\n")
     print(text)
     if args.write_results:
         put_section(RESULTS, "redis_warm", text)

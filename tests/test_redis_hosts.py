@@ -8,12 +8,13 @@ row is lost. The daemons are shared by the module's tests and the prompts kept s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from barrelctl.redis_sandbox import RedisServer
+from barrelctl.redis_sandbox import ClusterSandbox, RedisServer
 from barrelctl.sandbox import Sandbox
 from barreld.names import SAVE_REASONS
 from tests.test_cache_paths import NO_SAVES, POLICY, complete, doc
@@ -27,15 +28,16 @@ def redis() -> Iterator[RedisServer]:
         yield server
 
 
-def host(redis: RedisServer, label: str) -> Sandbox:
+def host(redis: RedisServer | ClusterSandbox, label: str) -> Sandbox:
     box = Sandbox.new(POLICY + f'\n[tiers.redis]\nurl = "{redis.url()}"\ntimeout_ms = 300\n', label=label)
     box.start_daemon()
     return box
 
 
-@pytest.fixture(scope="module")
-def hosts(redis: RedisServer) -> Iterator[tuple[Sandbox, Sandbox]]:
-    a, b = host(redis, "host-a"), host(redis, "host-b")
+@contextlib.contextmanager
+def two_hosts(server: RedisServer | ClusterSandbox) -> Iterator[tuple[Sandbox, Sandbox]]:
+    """Hosts A and B (two daemons, two data dirs) on one Redis server or cluster."""
+    a, b = host(server, "host-a"), host(server, "host-b")
     try:
         yield a, b
     finally:
@@ -43,10 +45,23 @@ def hosts(redis: RedisServer) -> Iterator[tuple[Sandbox, Sandbox]]:
         b.close()
 
 
-@pytest.fixture(scope="module")
-def cold() -> Iterator[Sandbox]:
+@contextlib.contextmanager
+def cold_host() -> Iterator[Sandbox]:
+    """A daemon that saves nothing: every reply a cold prefill."""
     with Sandbox.new(NO_SAVES, label="cold") as w:
         w.start_daemon()
+        yield w
+
+
+@pytest.fixture(scope="module")
+def hosts(redis: RedisServer) -> Iterator[tuple[Sandbox, Sandbox]]:
+    with two_hosts(redis) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def cold() -> Iterator[Sandbox]:
+    with cold_host() as w:
         yield w
 
 
@@ -83,7 +98,12 @@ def local_rows(w: Sandbox) -> set[str]:
 
 
 def test_host_b_warm_starts_from_host_a_through_redis(hosts: tuple[Sandbox, Sandbox], cold: Sandbox) -> None:
-    a, b = hosts
+    warm_starts(*hosts, cold)
+
+
+def warm_starts(a: Sandbox, b: Sandbox, cold: Sandbox) -> None:
+    """Host B's first request for A's prompt restores it from Redis (exact), and for A's prompt extended
+    (longest prefix); every reply equals the cold one."""
     prompt = doc(1, 330)
     reply = served(a, cold, prompt)
     assert reply["cache"]["path"] == "miss"
@@ -106,6 +126,21 @@ def test_host_b_warm_starts_from_host_a_through_redis(hosts: tuple[Sandbox, Sand
     assert dump and all(row["tier"] == "redis" for row in dump)
     table = b.ctl("cache", "stats")
     assert table.rc == 0 and "reachable" in table.out and "yes" in table.out
+
+
+def test_a_short_prefix_of_a_long_row_restores_from_its_first_blocks_alone(
+    hosts: tuple[Sandbox, Sandbox], cold: Sandbox
+) -> None:
+    """A's row holds 4 whole blocks; B's prompt shares only its first 256 tokens: B fetches the 2 blocks that
+    cover them (no tail, no logits, no later block), and replies as cold."""
+    a, b = hosts
+    words = doc(3, 500)
+    settle(a, served(a, cold, words))
+    before = remote(b)
+    got = served(b, cold, " ".join(words.split()[:280]) + " and then, far from the river, a letter came")
+    assert (got["cache"]["path"], got["cache"]["tier"], got["cache"]["restored_tokens"]) == (
+        "longest_prefix", "redis", 256), got["cache"]
+    assert remote(b)["blocks_fetched"] - before["blocks_fetched"] == 2
 
 
 @pytest.mark.faults

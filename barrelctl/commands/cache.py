@@ -119,6 +119,10 @@ def _remote_table(r: dict) -> None:
         ("bytes read / written", f"{render.size(r['bytes_read'])} / {render.size(r['bytes_written'])}"),
         ("mirrors", f"{r['mirrors']} written, {r['mirrors_present']} already there, "
                     f"{r['mirrors_failed']} failed, {r['mirrors_dropped']} dropped"),
+        ("blocks", f"{r['blocks_written']} written, {r['blocks_skipped']} skipped "
+                   f"({render.size(r['bytes_skipped'])} not sent); {r['blocks_fetched']} fetched, "
+                   f"{r['blocks_local']} from local tiers ({render.size(r['bytes_local'])} not fetched)"),
+        *((f"errors at {node}", _by_kind(kinds)) for node, kinds in sorted(r["node_errors"].items())),
     ]
     if r["quota"] is not None:
         used = "-" if r["used_bytes"] is None else render.size(r["used_bytes"])

@@ -99,11 +99,12 @@ def split(ckpt: Checkpoint, block_tokens: int) -> tuple[Checkpoint, list[tuple[b
 
 
 def assemble(row: Checkpoint, load: Callable[[int], memoryview], pool: Executor | None = None,
-             helpers: int = 0) -> Checkpoint:
+             helpers: int = 0, out: Callable[[int], bytearray] | None = None) -> Checkpoint:
     """The whole checkpoint from its row and its blocks, where `load(i)` reads block i and returns its verified
     payload.
 
-    The state is assembled once into this thread's reused buffer (valid until the thread's next assembly).
+    The state is assembled once into this thread's reused buffer (valid until the thread's next assembly), or
+    into `out(size)` when given.
     Each block is loaded and placed straight into it as a task run by this thread and `helpers` threads of
     `pool`: reading, checksumming and copying all release the GIL, so a row of many blocks restores on several
     cores, with several reads in flight, where a whole state is one read and one checksum on one. Every task
@@ -121,8 +122,8 @@ def assemble(row: Checkpoint, load: Callable[[int], memoryview], pool: Executor 
             off += n
         cell = shape.kv.cell_bytes if shape.kv is not None else 0
         counts = [chain.block_tokens] * len(chain.keys) + [chain.tail // cell if cell else 0]
-        out = partial(thread_buffer, _assembly)
-        assembly = stateformat.Assembly(shape, chain.seq_id, counts, parts[1:], out=out)
+        into = out or partial(thread_buffer, _assembly)
+        assembly = stateformat.Assembly(shape, chain.seq_id, counts, parts[1:], out=into)
         assembly.place(len(chain.keys), parts[0])
         _run_all([partial(_place, assembly, load, i) for i in range(len(chain.keys))], pool, helpers)
     except stateformat.StateFormatError as e:

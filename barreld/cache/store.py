@@ -101,6 +101,32 @@ restored a 12-block row from a cold page cache about as fast as one whole-state 
 times as long), and on two cores the copying ran no slower for the extra threads."""
 
 
+class _LocalBlocks:
+    """This host's blocks for a remote restore, read without a row's reference: a block deleted meanwhile
+    reads as missing (and is fetched from Redis instead), a damaged one is marked as in `_block_loader`."""
+
+    def __init__(self, index: Index, tiers: dict[str, Tier], counters: Counters) -> None:
+        self._index, self._tiers, self._counters = index, tiers, counters
+
+    def _tier(self, key: bytes) -> Tier | None:
+        return next((self._tiers[t] for t in self._tiers if self._index.block_refs(t, [key])[0]), None)
+
+    def has(self, key: bytes) -> bool:
+        return self._tier(key) is not None
+
+    def read(self, key: bytes) -> memoryview:
+        tier = self._tier(key)
+        if tier is None:
+            raise KeyError(key.hex())
+        try:
+            return blocks.decode_block(tier.read(tier.block_location(key.hex())), key)
+        except CorruptCheckpoint:
+            self._counters.count("corrupt_blocks")
+            with contextlib.suppress(IndexWriteError):
+                self._index.block_corrupt(tier.name, key)
+            raise
+
+
 def _adopted_row(ckpt: Checkpoint, tier: str, location: str, size: int) -> Row:
     """The row of a verified file found without one: used when it was written."""
     chain = ckpt.chain
@@ -457,7 +483,7 @@ class CacheStore:
         t0 = time.perf_counter_ns()
         index = self._require_open()
         tier = self._tiers[tier_name]
-        key, whole = ckpt.key, ckpt
+        key = ckpt.key
         ckpt, payloads = self._as_blocks(ckpt)
         try:
             res = self._reserve(ckpt, tier_name)
@@ -494,7 +520,7 @@ class CacheStore:
             return SaveOutcome("dropped", key, tier_name, detail="reservation lost")
         self.counters.count(f"saves_{ckpt.save_reason}")
         self.counters.add_ns("save_ns", time.perf_counter_ns() - t0)
-        self._mirror(whole)  # whole: the remote tier stores states, not this tier's blocks
+        self._mirror(ckpt, payloads)
         if replaces is not None:
             self._supersede(ckpt, tier_name, replaces)
         with self._plock:
@@ -554,14 +580,14 @@ class CacheStore:
             if tier.put(key.hex(), blocks.encode_block(key, payloads[key]), claim_ok, block=True) is None:
                 raise TierWriteError(tier.name, 0, "reservation lost while writing its blocks")
 
-    def _mirror(self, ckpt: Checkpoint) -> None:
-        """Queue a copy of a published checkpoint to the remote tier behind the saves, off every request's
-        path; a full queue drops the copy (counted), as it drops a save."""
+    def _mirror(self, row: Checkpoint, payloads: dict[bytes, bytearray]) -> None:
+        """Queue a copy of a published row (and of the blocks it names) to the remote tier behind the saves,
+        off every request's path; a full queue drops the copy (counted), as it drops a save."""
         remote = self.remote
         if remote is None or not remote.writes or self._pool is None:
             return
         try:
-            self._pool.submit(lambda: remote.mirror(ckpt))
+            self._pool.submit(lambda: remote.mirror(row, payloads))
         except (WriterQueueFull, RuntimeError):  # RuntimeError: the pool is closing
             remote.dropped()
 
@@ -625,12 +651,16 @@ class CacheStore:
         if self.remote is None:
             return None
         t0 = time.perf_counter_ns()
-        ckpt = self.remote.fetch(hit)  # type: ignore[arg-type]  # a remote tier's hits are RemoteHits
+        ckpt = self.remote.fetch(hit, self._local_blocks)  # type: ignore[arg-type]  # a remote tier's hits are RemoteHits
         if ckpt is not None:
             self.counters.add_ns("restore_ns", time.perf_counter_ns() - t0)
-            if promote_to is not None:
+            if promote_to is not None and ckpt.frontier_tokens >= hit.frontier:  # not a prefix's blocks alone
                 self.save(ckpt, promote_to)
         return ckpt
+
+    @property
+    def _local_blocks(self) -> _LocalBlocks:
+        return _LocalBlocks(self._require_open(), self._tiers, self.counters)
 
     def _read_verified(self, row: Row) -> Checkpoint | None:
         """The row's checkpoint, checksum and key verified; on any failure the row is dropped."""

@@ -9,14 +9,14 @@ the daemon's own, not prometheus_client's global one: two daemons in one process
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from barreld.engine.request import Done
-from barreld.names import SAVE_REASONS, Route
+from barreld.names import REDIS_TIER, SAVE_REASONS, Route
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
@@ -90,6 +90,8 @@ class _StateCollector:
         yield failures
         yield CounterMetricFamily("barrel_cache_evictions", "Checkpoints evicted", value=c["evictions"])
         yield from self._tiers(stats["tiers"])
+        if stats[REDIS_TIER] is not None:
+            yield from self._redis(stats[REDIS_TIER])
 
     @staticmethod
     def _tiers(tiers: dict[str, dict[str, int]]) -> Iterator[Metric]:
@@ -102,6 +104,30 @@ class _StateCollector:
             for tier, usage in tiers.items():
                 family.add_metric([tier], usage[key])
             yield family
+
+    @staticmethod
+    def _redis(r: dict[str, Any]) -> Iterator[Metric]:
+        """The shared tier: traffic, blocks written and skipped (and the bytes skipping saved), errors by kind
+        and, for a cluster, by node."""
+        moved = CounterMetricFamily("barrel_redis_bytes", "Bytes of values read from and written to Redis",
+                                    labels=["direction"])
+        moved.add_metric(["read"], r["bytes_read"])
+        moved.add_metric(["written"], r["bytes_written"])
+        yield moved
+        blocks = CounterMetricFamily("barrel_redis_blocks", "Blocks by what a mirror or restore did with them",
+                                     labels=["outcome"])
+        for outcome in ("written", "skipped", "fetched", "local"):
+            blocks.add_metric([outcome], r[f"blocks_{outcome}"])
+        yield blocks
+        yield CounterMetricFamily("barrel_redis_bytes_skipped", "Block bytes not sent: Redis already held them",
+                                  value=r["bytes_skipped"])
+        yield CounterMetricFamily("barrel_redis_hits", "Restores served from Redis", value=r["hits"])
+        errors = CounterMetricFamily("barrel_redis_errors", "Failed Redis calls, by kind and node",
+                                     labels=["kind", "node"])
+        for node, kinds in r["node_errors"].items():
+            for kind, n in kinds.items():
+                errors.add_metric([kind, node], n)
+        yield errors
 
     def _workers(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily("barrel_queue_depth", "Requests waiting for a sequence", labels=["model"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from barreld.cache import CacheStore, Checkpoint, CtxParams, KeyScheme, TierConfig
+from tests.cache.remote_hosts import host  # noqa: F401  (a fixture: cache stores as hosts on the test's Redis)
 
 SCHEME = KeyScheme(
     fingerprint=bytes(range(32)),

@@ -76,6 +76,7 @@ BAD = [
     ("url = 'redis://c/0'\ntimeout_ms = 0", "tiers.redis.timeout_ms", "whole number >= 1"),
     ("url = 'redis://c/0'\nwrite = 'yes'", "tiers.redis.write", "true or false"),
     ("url = 'redis://c/0'\nroot = '/tmp'", "tiers.redis.root", "unknown key"),
+    ("url = 'redis+cluster://c:7000/1'", "tiers.redis.url", "only database 0"),
 ]
 
 
@@ -115,7 +116,7 @@ def test_barreld_exits_1_on_a_bad_url_before_listening(tmp_path: Path) -> None:
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [
         f"barreld: {config}: tiers.redis.url: unsupported scheme in memcached://***@cache:11211: "
-        "expected redis://, rediss:// or unix://"]
+        "expected redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://"]
     assert not (tmp_path / "s.sock").exists()
 
 
@@ -127,3 +128,9 @@ def test_redaction() -> None:
     assert url_problem("rediss://h:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required") is None
     with pytest.raises(ValueError, match="unsupported scheme"):
         RedisSettings("tcp://h:1")
+
+
+def test_a_cluster_is_named_by_its_scheme() -> None:
+    single, cluster = RedisSettings("redis://c:7000/0"), RedisSettings("rediss+cluster://:pw@c:7000")
+    assert not single.cluster and cluster.cluster
+    assert cluster.client_url == "rediss://:pw@c:7000" and cluster.address == "c:7000"

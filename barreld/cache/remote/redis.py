@@ -23,7 +23,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
@@ -31,7 +31,7 @@ import redis
 import xxhash
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
-from redis.exceptions import NoPermissionError, OutOfMemoryError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisClusterException
 from redis.retry import Retry
 
 from ..checkpoint import Buffer
@@ -52,6 +52,7 @@ LOG_PERIOD_S = 60.0
 _KIND = re.compile(r"[a-z][a-z0-9_]{0,15}", re.ASCII)
 _NAME = re.compile(rb"\{([0-9a-f]+)\}:([a-z][a-z0-9_]*):([0-9a-f]+)")
 _SCAN_COUNT = 1000
+_ADDRESS = re.compile(r"[A-Za-z0-9.-]+:[0-9]{1,5}\b")
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -158,11 +159,8 @@ class RedisStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        timeout = settings.timeout_ms / 1000
-        # The client's own retries would multiply the wait; this store retries through its backoff instead.
-        self._client = redis.Redis.from_url(
-            settings.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
-        )
+        self._client: redis.Redis | redis.RedisCluster | None = None if settings.cluster else _open_client(settings)
+        self._connecting = threading.Lock()
         self._prefix = settings.prefix.encode()
         self._secrets = _secrets(settings.url)
         self._clock = clock
@@ -173,6 +171,7 @@ class RedisStore:
             ("round_trips", "skipped_down", "hits", "bytes_read", "bytes_written", "writes", "writes_failed",
              "writes_over_quota", "corrupt_deleted"), 0)
         self._stats.update(misses=dict.fromkeys(MISS_KINDS, 0), errors=dict.fromkeys(ERROR_KINDS, 0))
+        self._node_errors: dict[str, dict[str, int]] = {}
         self._reachable = False
         self._rtt_ms: float | None = None
         self._usage: tuple[float, int] | None = None  # (when measured, bytes of Barrel's values then + since)
@@ -183,27 +182,33 @@ class RedisStore:
 
     def close(self) -> None:
         """Close the pooled connections."""
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
 
     # ---- reading ------------------------------------------------------------------------------
 
     def ping(self) -> bool:
-        """One PING: whether the server answers now (it also times the round trip for stats)."""
-        return self._round_trip("ping", lambda p: p.ping(), probe=True) is not None
+        """One PING (to every node of a cluster): whether the server answers now (it also times the round trip
+        for stats)."""
+        return self._call("ping", lambda client: [client.ping()], probe=True) is not None
 
     def exists_many(self, kind: str, keys: Sequence[bytes], *, tag: bytes | None = None) -> list[bool]:
         """Which keys have a value, in one round trip (all False when Redis cannot be asked)."""
         return self.exists_refs([Ref(kind, key, tag) for key in keys])
 
-    def exists_refs(self, refs: Sequence[Ref]) -> list[bool]:
-        """Which objects, of any kinds, have a value: one round trip (all False when Redis cannot be asked)."""
+    def exists_refs(self, refs: Sequence[Ref], *, touch: bool = False) -> list[bool]:
+        """Which objects, of any kinds, have a value: one round trip (all False when Redis cannot be asked).
+        `touch` also marks them used, so an LRU policy keeps a value that a writer relies on: it asks STRLEN,
+        a read, where EXISTS leaves the idle time alone (and TOUCH, a multi-key command, a cluster's pipeline
+        drops)."""
         names = [self._name(*ref) for ref in refs]
         if not names:
             return []
-        replies = self._round_trip("probe", lambda p: [p.exists(n) for n in names], probe=True)
-        if replies is None:
+        ask = "strlen" if touch else "exists"
+        replies = self._round_trip("probe", lambda p: [getattr(p, ask)(n) for n in names], probe=True)
+        if replies is None or len(replies) != len(names):
             return [False] * len(names)
-        return [r == 1 for r in replies]
+        return [isinstance(r, int) and r > 0 for r in replies]
 
     def get_many(self, kind: str, keys: Sequence[bytes], *, tag: bytes | None = None) -> list[memoryview | None]:
         """Each key's payload, verified, or None for a miss; one round trip."""
@@ -330,12 +335,9 @@ class RedisStore:
             self._check_kind(kind)
         pattern = self._prefix + b"{*}:" + (kind.encode() + b":*" if kind is not None else b"*")
         found: list[RemoteObject] = []
-        cursor = 0
-        while True:
-            reply = self._round_trip("scan", lambda p, at=cursor: p.scan(at, match=pattern, count=_SCAN_COUNT))
-            if reply is None or isinstance(reply[0], Exception):
+        for names in self._scan_names(pattern):
+            if names is None:
                 return None
-            cursor, names = reply[0]
             parsed = [(n, _NAME.fullmatch(n[len(self._prefix) :])) for n in names]
             parsed = [(n, m) for n, m in parsed if m is not None]
             sizes = self._round_trip("scan", lambda p, these=parsed: [p.strlen(n) for n, _ in these]) if parsed else []
@@ -345,8 +347,25 @@ class RedisStore:
                 if isinstance(size, int) and size:  # 0: deleted between the two round trips
                     found.append(RemoteObject(m[2].decode(), bytes.fromhex(m[1].decode()),
                                               bytes.fromhex(m[3].decode()), size))
+        return found
+
+    def _scan_names(self, pattern: bytes) -> Iterator[list[bytes] | None]:
+        """The names matching `pattern`, a SCAN step at a time (a cluster's primaries one after another, all at
+        once); None once a step fails."""
+        if self.settings.cluster:
+            reply = self._call("scan", lambda client: [list(client.scan_iter(match=pattern, count=_SCAN_COUNT))])
+            yield None if reply is None else reply[0]
+            return
+        cursor = 0
+        while True:
+            reply = self._round_trip("scan", lambda p, at=cursor: p.scan(at, match=pattern, count=_SCAN_COUNT))
+            if reply is None or isinstance(reply[0], Exception):
+                yield None
+                return
+            cursor, names = reply[0]
+            yield names
             if cursor == 0:
-                return found
+                return
 
     def _quota_allows(self, size: int) -> bool:
         """Whether `size` more bytes fit the quota, measured by SCAN at most every QUOTA_REFRESH_S.
@@ -377,20 +396,29 @@ class RedisStore:
     # ---- the one way to the server ------------------------------------------------------------
 
     def _round_trip(self, what: str, build: Callable[[Pipeline], object], *, probe: bool = False) -> list | None:
-        """One pipelined round trip: its replies, or None when Redis could not be asked (down, refused,
-        timed out, reset, credentials refused), which is counted and logged here. Error replies (OOM, a
-        read-only replica) stay in the list as exceptions, counted and logged here too."""
+        """One pipelined round trip (on a cluster, one per node concerned, in parallel): see `_call`."""
+
+        def pipelined(client: redis.Redis | redis.RedisCluster) -> list:
+            pipe = client.pipeline(transaction=False)
+            build(pipe)
+            return pipe.execute(raise_on_error=False)
+
+        return self._call(what, pipelined, probe=probe)
+
+    def _call(self, what: str, run: Callable[[Any], list], *, probe: bool = False) -> list | None:
+        """run(client)'s replies, or None when Redis could not be asked (down, refused, timed out, reset,
+        credentials refused, a cluster without a primary for a slot or in the middle of a change it could not
+        follow), which is counted and logged here. Error replies (OOM, a read-only replica) stay in the list as
+        exceptions, counted and logged here too."""
         if not self._backoff.allow():
             self._count(skipped_down=1)
             return None
-        pipe = self._client.pipeline(transaction=False)
-        build(pipe)
         start = time.perf_counter_ns()
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = run(self._connected())
         except redis.DataError:
             raise  # an argument the client cannot send: a bug here, not a fault of Redis
-        except (redis.RedisError, OSError) as e:
+        except (redis.RedisError, RedisClusterException, OSError) as e:
             self._unreachable(what, e)
             return None
         elapsed_ms = (time.perf_counter_ns() - start) / 1e6
@@ -409,6 +437,14 @@ class RedisStore:
             self._error(what, *error)
         return replies
 
+    def _connected(self) -> redis.Redis | redis.RedisCluster:
+        """The client; a cluster's is made at the first call (making it asks a node for the slots, which
+        fails while the cluster is away: a miss then, never a daemon that cannot start)."""
+        with self._connecting:
+            if self._client is None:
+                self._client = _open_client(self.settings)
+            return self._client
+
     def _unreachable(self, what: str, exc: BaseException) -> None:
         self._backoff.failed()
         with self._lock:
@@ -416,14 +452,25 @@ class RedisStore:
         self._error(what, error_kind(exc), exc)
 
     def _error(self, what: str, kind: str, exc: BaseException) -> None:
+        node = self._node_of(exc)
         with self._lock:
             self._stats["errors"][kind] += 1
+            by_kind = self._node_errors.setdefault(node, dict.fromkeys(ERROR_KINDS, 0))
+            by_kind[kind] += 1
         text = str(exc)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         self._warn.warn(kind, f"redis {self.settings.redacted_url}: {what} failed ({kind}): {text}")
 
     # ---- names and counters -------------------------------------------------------------------
+
+    def _node_of(self, exc: BaseException) -> str:
+        """The server an error came from, as host:port (a socket's path): the one server, or for a cluster
+        the node its message names ("cluster" when it names none: a refusal of the cluster as a whole)."""
+        if not self.settings.cluster:
+            return self.settings.address
+        found = _ADDRESS.search(str(exc))
+        return found[0] if found else "cluster"
 
     def name(self, ref: Ref) -> bytes:
         """The Redis key an object lives under (for operators: `cache dump` shows it)."""
@@ -454,10 +501,23 @@ class RedisStore:
     def stats(self) -> dict[str, Any]:
         """Counters since start, plus whether the server answered last time and the last probe's RTT."""
         with self._lock:
-            out = {**self._stats, "misses": dict(self._stats["misses"]), "errors": dict(self._stats["errors"])}
+            out = {**self._stats, "misses": dict(self._stats["misses"]), "errors": dict(self._stats["errors"]),
+                   "node_errors": {node: dict(kinds) for node, kinds in self._node_errors.items()}}
             out.update(reachable=self._reachable, rtt_ms=self._rtt_ms, down=self._backoff.down,
                        used_bytes=self._usage[1] if self._usage else None, quota=self.settings.quota)
         return out
+
+
+def _open_client(settings: RedisSettings) -> redis.Redis | redis.RedisCluster:
+    """A client with the settings' timeouts. A server's client never retries (a retry would multiply the wait;
+    the store retries through its backoff). A cluster's retries once: a failed node makes it ask the others
+    for the slots again, and that retry reaches a replica promoted meanwhile. MOVED and ASK it follows itself."""
+    timeout = settings.timeout_ms / 1000
+    common = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if settings.cluster:
+        return redis.RedisCluster.from_url(settings.client_url, retry=Retry(NoBackoff(), 1),
+                                           require_full_coverage=False, **common)
+    return redis.Redis.from_url(settings.url, retry=Retry(NoBackoff(), 0), **common)
 
 
 def _digest(name: bytes, payload: Buffer) -> bytes:

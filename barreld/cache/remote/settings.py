@@ -7,7 +7,10 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix")
+SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+CLUSTER_SUFFIX = "+cluster"
+"""`redis+cluster://HOST:PORT` (or `rediss+cluster://`) names a Redis Cluster by any one of its nodes: the scheme
+says it, so $BARREL_REDIS_URL alone can switch a host between a server and a cluster."""
 DEFAULT_PREFIX = "barrel:"
 DEFAULT_TIMEOUT_MS = 1000
 URL_ENV = "BARREL_REDIS_URL"
@@ -44,7 +47,8 @@ def url_problem(url: str) -> str | None:
     except ValueError:
         return f"{redact_url(url)}: the port must be a number from 1 to 65535"
     if parts.scheme not in SCHEMES:
-        return f"unsupported scheme in {redact_url(url)}: expected redis://, rediss:// or unix://"
+        return (f"unsupported scheme in {redact_url(url)}: expected redis://, rediss://, unix://, "
+                "redis+cluster:// or rediss+cluster://")
     unknown = sorted(set(query) - _QUERY_KEYS)
     if unknown:
         return f"unsupported URL option(s) {', '.join(unknown)}: allowed are {', '.join(sorted(_QUERY_KEYS))}"
@@ -60,6 +64,8 @@ def url_problem(url: str) -> str | None:
         db = parts.path.strip("/") or db
     if db is not None and not (db.isascii() and db.isdigit()):
         return f"{redact_url(url)}: the database must be a whole number, got {db!r}"
+    if parts.scheme.endswith(CLUSTER_SUFFIX) and db not in (None, "0"):
+        return f"{redact_url(url)}: a Redis Cluster has only database 0"
     return None
 
 
@@ -90,3 +96,20 @@ class RedisSettings:
     @property
     def redacted_url(self) -> str:
         return redact_url(self.url)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the URL names a Redis Cluster (redis+cluster://, rediss+cluster://)."""
+        return urlsplit(self.url).scheme.endswith(CLUSTER_SUFFIX)
+
+    @property
+    def client_url(self) -> str:
+        """The URL as redis-py reads it: a cluster's scheme without its suffix."""
+        scheme, rest = self.url.split(":", 1)
+        return scheme.removesuffix(CLUSTER_SUFFIX) + ":" + rest
+
+    @property
+    def address(self) -> str:
+        """host:port, or the socket's path: how errors name the server."""
+        parts = urlsplit(self.url)
+        return parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"

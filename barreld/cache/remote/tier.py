@@ -1,18 +1,29 @@
 """RemoteTier: the cache's shared tier, beneath the local ones, on a RedisStore that is trusted for nothing.
 
-Objects of one checkpoint row (every value also carries RedisStore's header and checksum):
+Objects of one checkpoint row (every value also carries RedisStore's header and checksum, bound to its name):
   row    key = row key, tag = row key: a small JSON description of the row (its metadata, its parts, in
          order, with their lengths, and its prefix aliases), enough to list rows without reading payloads
-  ckpt   key = row key, tag = row key: a part, today the one part of a row, the whole checkpoint file
+  ckpt   key = row key, tag = row key: the row's own checkpoint file. With blocks, this is the local
+         tiers' format 2 row (tail, carried sections, logits, the chain of block keys); else a whole state
+  blk    key = block key, tag = block key: one content-addressed block file (`barreld.cache.blocks`), shared
+         by every row whose prompt starts with its tokens. Its own tag spreads blocks over a cluster's slots
   alias  key = prefix key, tag = prefix key: {"n": tokens of the prefix, "row": the row's description},
          so a host finds another host's checkpoint by a prefix of its prompt, in the same round trip
          as the exact key. An alias is tagged with its own key, since a reader knows only that key; the
-         row and its parts share the row's hash slot.
+         row and its ckpt part share the row's hash slot.
 
-A row's parts are a list so that a later format can split the payload into shared block values (their own
-kind and keys) without changing how rows, aliases and lookups work; the row is written only after all its
-parts, the aliases after the row. Whatever a reader finds missing, cut short or damaged is a miss, counted
-and logged once a minute per kind: the request is served from a cold prefill instead.
+A mirror asks Redis which of a row's objects it holds (one pipelined TOUCH: a block another row still uses
+is kept recent under Redis's LRU) and writes only the missing ones: blocks first, then the ckpt part and
+the row, then the aliases. A restore fetches the ckpt part and only the blocks the local tiers lack, in one
+round trip; a local block that is gone by the time it is read costs one more. Whatever a reader finds
+missing, cut short or damaged is a miss, counted and logged once a minute per kind: the request is served
+from a cold prefill instead.
+
+Eviction. Redis may evict any value at any moment (maxmemory with an LRU policy), whatever Barrel counts, and
+hosts cannot count references to a block together without a transaction spanning slots, which a cluster
+refuses. So a missing block is a miss, never a wrong reply, and `evict` deletes the rows it picks and then
+the blocks no remaining row names; a row another host publishes meanwhile that names such a block is a miss
+until it is mirrored again.
 """
 
 from __future__ import annotations
@@ -21,23 +32,27 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
-from barreld.names import REDIS_TIER
+from barreld.names import REDIS_TIER, MemoryKind
 
-from ..checkpoint import Checkpoint, decode, encode_parts, encoded_size
+from .. import blocks, stateformat
+from ..checkpoint import Buffer, Checkpoint, decode, encode_parts, encoded_size
 from ..errors import CorruptCheckpoint
 from ..index import Hit, valid_aliases
 from .redis import ROW_KIND, OncePerPeriod, RedisStore, Ref, RemoteObject
 
 log = logging.getLogger("barreld.cache.redis")
 
-ROW_FORMAT = 1
+ROW_FORMATS: tuple[int, ...] = (1, 2)
+"""Row descriptions this host reads: 1 names one ckpt part, 2 (written now) may name blocks after it."""
 CKPT_KIND = "ckpt"
+BLOCK_KIND = "blk"
 ALIAS_KIND = "alias"
-PART_KINDS: tuple[str, ...] = (CKPT_KIND,)
+PART_KINDS: tuple[str, ...] = (CKPT_KIND, BLOCK_KIND)
 REQUEST_MISSES: tuple[str, ...] = ("absent", "missing", "corrupt", "unreachable")
 """Why a request that asked the remote got nothing: no probe found a row; a part had vanished; a value
 or the assembled checkpoint failed verification; Redis could not be asked."""
@@ -47,11 +62,37 @@ BATCH = 500
 Part = tuple[str, bytes, int]
 
 
+class LocalBlocks(Protocol):
+    """The blocks this host's own tiers hold, offered to a remote restore so that it fetches only the rest."""
+
+    def has(self, key: bytes) -> bool:
+        """Whether a local tier names the block (cheap: the index only)."""
+
+    def read(self, key: bytes) -> memoryview:
+        """The block's verified payload; CorruptCheckpoint, OSError or KeyError when it cannot be had."""
+
+
+class _BlockMissing(CorruptCheckpoint):
+    """A block the row names is in neither Redis nor a local tier."""
+
+
+def part_ref(kind: str, key: bytes, row_key: bytes) -> Ref:
+    """Where a row's part lives: its ckpt under the row's hash tag, a block under its own (shared by rows)."""
+    return Ref(kind, key, None if kind == BLOCK_KIND else row_key)
+
+
 @dataclass(frozen=True)
 class RemoteHit(Hit):
     """A lookup's find in the remote tier: also the parts (kind, key, length) to fetch for it."""
 
     parts: tuple[Part, ...] = ()
+    block_tokens: int = 0  # tokens per block of a row of blocks (0: a whole state)
+
+    @property
+    def blocks_needed(self) -> int:
+        """The leading blocks that cover its first n_tokens: a prefix hit needs no more of a row's blocks."""
+        named = len(self.parts) - 1
+        return named if not self.block_tokens else min(named, -(-self.n_tokens // self.block_tokens))
 
 
 @dataclass(frozen=True)
@@ -67,28 +108,34 @@ class RowInfo:
     created: float
     parts: tuple[Part, ...]
     frontier: int = 0  # leading tokens its state holds reusably; 0 (a row that does not say): none
+    block_tokens: int = 0
 
     @classmethod
     def of(cls, ckpt: Checkpoint) -> RowInfo:
-        return cls(ckpt.key, ckpt.model, ckpt.fingerprint, len(ckpt.tokens), len(ckpt.rendered),
-                   ckpt.save_reason, ckpt.created, ((CKPT_KIND, ckpt.key, encoded_size(ckpt)),), ckpt.frontier_tokens)
+        """A row as stored: its own file, then the blocks its chain names (none for a whole state)."""
+        chain = ckpt.chain
+        named = [(BLOCK_KIND, key, chain.block_size) for key in chain.keys] if chain is not None else []
+        return cls(ckpt.key, ckpt.model, ckpt.fingerprint, len(ckpt.tokens), len(ckpt.rendered), ckpt.save_reason,
+                   ckpt.created, ((CKPT_KIND, ckpt.key, encoded_size(ckpt)), *named), ckpt.frontier_tokens,
+                   chain.block_tokens if chain is not None else 0)
 
     def as_json(self) -> dict[str, Any]:
-        return {"v": ROW_FORMAT, "key": self.key.hex(), "model": self.model, "fingerprint": self.fingerprint.hex(),
+        return {"v": ROW_FORMATS[-1], "key": self.key.hex(), "model": self.model, "fingerprint": self.fingerprint.hex(),
                 "tokens": self.tokens, "text_bytes": self.text_bytes, "save_reason": self.save_reason,
                 "created": self.created, "parts": [[k, key.hex(), n] for k, key, n in self.parts],
-                "frontier": self.frontier}
+                "frontier": self.frontier, "block_tokens": self.block_tokens}
 
     @classmethod
     def from_json(cls, d: Any) -> RowInfo:
         """Raises ValueError (or KeyError, TypeError) for anything but a well-formed description."""
-        if d["v"] != ROW_FORMAT:
+        if d["v"] not in ROW_FORMATS:
             raise ValueError(f"row format {d['v']!r}")
         parts = tuple((str(k), bytes.fromhex(key), int(n)) for k, key, n in d["parts"])
         info = cls(bytes.fromhex(d["key"]), str(d["model"]), bytes.fromhex(d["fingerprint"]), int(d["tokens"]),
-                   int(d["text_bytes"]), str(d["save_reason"]), float(d["created"]), parts, int(d.get("frontier", 0)))
-        if (len(info.key) != 32 or not parts or info.tokens < 1
-                or any(k not in PART_KINDS or len(key) != 32 or n < 1 for k, key, n in parts)):
+                   int(d["text_bytes"]), str(d["save_reason"]), float(d["created"]), parts, int(d.get("frontier", 0)),
+                   int(d.get("block_tokens", 0)))
+        if (len(info.key) != 32 or not parts or parts[0][:2] != (CKPT_KIND, info.key) or info.tokens < 1
+                or any(k != BLOCK_KIND or len(key) != 32 or n < 1 for k, key, n in parts[1:])):
             raise ValueError("malformed row description")
         return info
 
@@ -96,8 +143,18 @@ class RowInfo:
     def size(self) -> int:
         return sum(n for _, _, n in self.parts)
 
+    @property
+    def own_size(self) -> int:
+        """Bytes of its ckpt part: what deleting the row frees, its shared blocks aside."""
+        return self.parts[0][2]
+
+    @property
+    def block_keys(self) -> list[bytes]:
+        return [key for _, key, _ in self.parts[1:]]
+
     def hit(self, n_tokens: int) -> RemoteHit:
-        return RemoteHit(self.key, n_tokens, REDIS_TIER, self.tokens, self.text_bytes, self.frontier, self.parts)
+        return RemoteHit(self.key, n_tokens, REDIS_TIER, self.tokens, self.text_bytes, self.frontier, self.parts,
+                         self.block_tokens)
 
 
 @dataclass
@@ -114,8 +171,9 @@ class _Listed:
         return self.obj.size + self.info.size
 
     def refs(self) -> list[Ref]:
-        return ([Ref(ROW_KIND, self.info.key), *(Ref(k, key, self.info.key) for k, key, _ in self.info.parts)]
-                + [Ref(ALIAS_KIND, a) for a in self.aliases])
+        """Its own objects (row, ckpt part, aliases): the blocks are shared, deleted only once no row names them."""
+        return [Ref(ROW_KIND, self.info.key), Ref(CKPT_KIND, self.info.key, self.info.key),
+                *(Ref(ALIAS_KIND, a) for a in self.aliases)]
 
 
 def _decode_row(raw: memoryview, key: bytes) -> tuple[RowInfo, list[bytes]]:
@@ -143,7 +201,8 @@ class RemoteTier:
         self._warn = OncePerPeriod(clock)
         self._lock = threading.Lock()
         self._counts: dict[str, Any] = dict.fromkeys(
-            ("probes", "hits", "mirrors", "mirrors_present", "mirrors_failed", "mirrors_dropped"), 0)
+            ("probes", "hits", "mirrors", "mirrors_present", "mirrors_failed", "mirrors_dropped", "blocks_written",
+             "blocks_skipped", "bytes_skipped", "blocks_fetched", "blocks_local", "bytes_local"), 0)
         self._counts["misses"] = dict.fromkeys(REQUEST_MISSES, 0)
 
     def __repr__(self) -> str:
@@ -158,24 +217,32 @@ class RemoteTier:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def mirror(self, ckpt: Checkpoint) -> bool:
-        """Write a published checkpoint's parts that Redis lacks, then its row, then its aliases (run on a
-        writer thread); True when Redis holds all of them now."""
+    def mirror(self, row: Checkpoint, payloads: Mapping[bytes, Buffer] | None = None) -> bool:
+        """Write what Redis lacks of a published row (run on a writer thread): its blocks (`payloads`, by key,
+        for a row of blocks), its ckpt part, the row, its aliases. True when Redis holds all of them now."""
         if not self.writes:
             return False
-        info = RowInfo.of(ckpt)
-        parts = [Ref(k, key, ckpt.key) for k, key, _ in info.parts]
-        present = self.store.exists_refs([Ref(ROW_KIND, ckpt.key), *parts])
+        info = RowInfo.of(row)
+        refs = [part_ref(k, key, row.key) for k, key, _ in info.parts]
+        present = self.store.exists_refs([Ref(ROW_KIND, row.key), *refs], touch=True)
+        blocks_there = [(key, n) for (k, key, n), there in zip(info.parts, present[1:], strict=True)
+                        if k == BLOCK_KIND and there]
+        self._count("blocks_skipped", len(blocks_there), bytes_skipped=sum(n for _, n in blocks_there))
         if all(present):
             self._count("mirrors_present")
             return True
-        aliases = valid_aliases(ckpt.key, len(ckpt.tokens), ckpt.prefixes)
-        row = {**info.as_json(), "aliases": [[a.hex(), n] for a, n in aliases]}
-        missing = [(ref.kind, ref.key, encode_parts(ckpt)) for ref, there in zip(parts, present[1:], strict=True)
-                   if not there]
+        missing = {key for (_, key, _), there in zip(info.parts[1:], present[2:], strict=True) if not there}
+        new_blocks = [(BLOCK_KIND, key, blocks.encode_block(key, (payloads or {})[key])) for key in info.block_keys
+                      if key in missing]
+        done = self.store.put_many(new_blocks)
+        if done:
+            self._count("blocks_written", len(new_blocks))
+        aliases = valid_aliases(row.key, len(row.tokens), row.prefixes)
         description = info.as_json()
-        done = self.store.publish_row(ckpt.key, missing, _json(row)) and self.store.put_many(
-            [(ALIAS_KIND, a, _json({"n": n, "row": description})) for a, n in aliases])
+        own = [] if present[1] else [(CKPT_KIND, row.key, encode_parts(row))]
+        done = done and self.store.publish_row(
+            row.key, own, _json({**description, "aliases": [[a.hex(), n] for a, n in aliases]})
+        ) and self.store.put_many([(ALIAS_KIND, a, _json({"n": n, "row": description})) for a, n in aliases])
         self._count("mirrors" if done else "mirrors_failed")
         return done
 
@@ -217,34 +284,81 @@ class RemoteTier:
             return None
         return info.hit(n)
 
-    def fetch(self, hit: RemoteHit) -> Checkpoint | None:
-        """The hit's checkpoint, every part's and the whole file's checksum and its key verified; None
-        (counted, and the row dropped from Redis when it is damaged or incomplete) for a miss."""
-        fetched = self.store.fetch_refs([Ref(k, key, hit.row_key) for k, key, _ in hit.parts])
+    def fetch(self, hit: RemoteHit, local: LocalBlocks | None = None) -> Checkpoint | None:
+        """The hit's whole checkpoint, every value's checksum, the file's and its key verified; None (counted,
+        and the row dropped from Redis when it is damaged or incomplete) for a miss. The blocks `local` holds
+        are read from it; the ckpt part and every other block come in one round trip."""
+        wanted = [key for key in _block_keys(hit)[: hit.blocks_needed] if local is None or not local.has(key)]
+        fetched = self.store.fetch_refs([part_ref(CKPT_KIND, hit.row_key, hit.row_key),
+                                         *(Ref(BLOCK_KIND, key) for key in wanted)])
         why = next((w for _, w in fetched if w is not None), None)
-        if why is None and any(len(p) != n for (p, _), (_, _, n) in zip(fetched, hit.parts, strict=True)):
+        if why is None and len(fetched[0][0]) != hit.parts[0][2]:
             why = "corrupt"
         if why is not None:
-            self._miss(why, f"a part of row {hit.row_key.hex()} is {why}")
-            if why != "unreachable":
-                self._drop(hit)
-            return None
-        pieces = [p for p, _ in fetched]
+            return self._failed_fetch(hit, why, f"a part of row {hit.row_key.hex()} is {why}")
+        got = {key: view for key, (view, _) in zip(wanted, fetched[1:], strict=True)}
         try:
-            ckpt = decode(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-            ckpt.check_key()
-            if ckpt.key != hit.row_key or len(ckpt.tokens) != hit.total_tokens:
-                raise CorruptCheckpoint("the checkpoint does not match its row")
+            ckpt, used = self._assembled(hit, fetched[0][0], got, local)
         except CorruptCheckpoint as e:
-            self._miss("corrupt", f"row {hit.row_key.hex()}: {e}")
-            self._drop(hit)
-            return None
-        self._count("hits")
+            why = "missing" if isinstance(e, _BlockMissing) else "corrupt"
+            return self._failed_fetch(hit, why, f"row {hit.row_key.hex()}: {e}")
+        here = [key for key in used if key not in got]
+        self._count("hits", blocks_fetched=len(got), blocks_local=len(here),
+                    bytes_local=len(here) * (hit.parts[1][2] if here else 0))
         return ckpt
 
+    def _assembled(self, hit: RemoteHit, own: memoryview, got: dict[bytes, memoryview],
+                   local: LocalBlocks | None) -> tuple[Checkpoint, tuple[bytes, ...]]:
+        """The checkpoint from its own file and its blocks (fetched, else local, else fetched now; `got` gains
+        each one fetched), into a buffer of its own: a promotion's async save may still read it after the next
+        restore. Also the keys of the blocks it was assembled from.
+
+        For a prefix hit on full attention, only the blocks that cover the prefix: their cells alone are the
+        prefix's state (causal attention), without the row's tail and logits."""
+        ckpt = decode(own)
+        ckpt.check_key()
+        chain = ckpt.chain
+        if (ckpt.key != hit.row_key or len(ckpt.tokens) != hit.total_tokens
+                or list(chain.keys if chain is not None else ()) != _block_keys(hit)):
+            raise CorruptCheckpoint("the checkpoint does not match its row")
+        if chain is None:
+            return ckpt, ()
+        if hit.blocks_needed < len(chain.keys) and not chain.opaque and ckpt.memory == MemoryKind.FULL.value:
+            ckpt = replace(ckpt, state=b"", chain=replace(chain, keys=chain.keys[: hit.blocks_needed], tail=0),
+                           logits=None, logits_at=None, frontier=hit.blocks_needed * chain.block_tokens)
+            chain = ckpt.chain
+        rest = [key for key in chain.keys if key not in got and (local is None or not local.has(key))]
+        for key, (view, _) in zip(rest, self.store.fetch_refs([Ref(BLOCK_KIND, key) for key in rest]), strict=True):
+            if view is not None:
+                got[key] = view
+
+        def load(i: int) -> memoryview:
+            key = chain.keys[i]
+            view = got.get(key)
+            if view is None and local is not None:
+                try:
+                    return local.read(key)
+                except (CorruptCheckpoint, OSError, KeyError):
+                    pass  # evicted or damaged here since `has`: Redis may still hold it
+            if view is None:
+                [(view, why)] = self.store.fetch_refs([Ref(BLOCK_KIND, key)])
+                if view is None:
+                    raise _BlockMissing(f"block {i} of {len(chain.keys)} is {why}")
+                got[key] = view
+            return blocks.decode_block(view, key)
+
+        whole = blocks.assemble(ckpt, load, out=bytearray)
+        return replace(whole, layout=stateformat.shape_from_json(chain.shape)), chain.keys
+
+    def _failed_fetch(self, hit: RemoteHit, why: str, message: str) -> None:
+        self._miss(why, message)
+        if why != "unreachable":
+            self._drop(hit)
+
     def _drop(self, hit: RemoteHit) -> None:
-        """Delete a row found broken, so no host probes it again until one mirrors it anew."""
-        self.store.delete_refs([Ref(ROW_KIND, hit.row_key), *(Ref(k, key, hit.row_key) for k, key, _ in hit.parts)])
+        """Delete a row found broken (its ckpt part too; its blocks are shared, and a damaged one was deleted
+        when it was read), so no host probes it again until one mirrors it anew."""
+        self.store.delete_refs([Ref(ROW_KIND, hit.row_key), part_ref(CKPT_KIND, hit.row_key, hit.row_key)])
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -267,20 +381,19 @@ class RemoteTier:
         return out
 
     def evict(self, need: float) -> tuple[int, int] | None:
-        """Delete the least recently used rows (parts and aliases too) until `need` bytes are freed or no
-        row is left: (rows, bytes). None when Redis could not be read or told."""
-        listed = self._list()
-        if listed is None:
+        """Delete the least recently used rows (their ckpt parts and aliases too), and the blocks no remaining
+        row names, until `need` bytes are freed or no row is left: (rows, bytes). None when Redis could not
+        be read or told."""
+        listed, stored = self._list(), self.store.scan(BLOCK_KIND)
+        if listed is None or stored is None:
             return None
         listed.sort(key=lambda r: (r.idle_s is not None, -(r.idle_s or 0), r.info.created))
-        chosen, freed = [], 0
-        for r in listed:
-            if freed >= need:
-                break
-            chosen.append(r)
-            freed += r.size
+        chosen, doomed, freed = _pick(listed, {o.key: o.size for o in stored}, need)
         for batch in _batches(chosen, BATCH // 4):
             if self.store.delete_refs([ref for r in batch for ref in r.refs()]) is None:
+                return None
+        for keys in _batches(doomed, BATCH):
+            if self.store.delete_refs([Ref(BLOCK_KIND, key) for key in keys]) is None:
                 return None
         return len(chosen), freed
 
@@ -315,9 +428,11 @@ class RemoteTier:
 
     # ---- counters -----------------------------------------------------------------------------
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1, **more: int) -> None:
         with self._lock:
-            self._counts[name] += 1
+            self._counts[name] += n
+            for other, m in more.items():
+                self._counts[other] += m
 
     def _miss(self, kind: str, message: str | None) -> None:
         with self._lock:
@@ -334,6 +449,30 @@ class RemoteTier:
         return {"url": self.store.settings.redacted_url, "prefix": self.store.settings.prefix, "write": self.writes,
                 **{k: v for k, v in store.items() if k not in ("hits", "misses")},
                 "value_hits": store["hits"], "value_misses": store["misses"], **mine}
+
+
+def _pick(listed: list[_Listed], block_sizes: dict[bytes, int], need: float) -> tuple[list[_Listed], list[bytes], int]:
+    """Rows to delete, in `listed` order, and the blocks that leaves unnamed (those no row named to begin
+    with first), until their bytes reach `need`: (rows, blocks, bytes)."""
+    names = Counter(key for r in listed for key in r.info.block_keys)
+    doomed = [key for key in block_sizes if not names[key]]
+    freed = sum(block_sizes[key] for key in doomed)
+    chosen: list[_Listed] = []
+    for r in listed:
+        if freed >= need:
+            break
+        chosen.append(r)
+        freed += r.obj.size + r.info.own_size
+        for key in r.info.block_keys:
+            names[key] -= 1
+            if not names[key] and key in block_sizes:
+                doomed.append(key)
+                freed += block_sizes[key]
+    return chosen, doomed, freed
+
+
+def _block_keys(hit: RemoteHit) -> list[bytes]:
+    return [key for _, key, _ in hit.parts[1:]]
 
 
 def _json(d: dict) -> bytes:
