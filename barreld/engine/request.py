@@ -12,6 +12,7 @@ from barreld.engine.chat import Message
 from barreld.engine.sampler import Sampler
 from barreld.engine.sampling import SamplingParams
 from barreld.engine.stops import StopScanner
+from barreld.engine.tools import ToolSpec
 from barreld.names import Route
 
 DEFAULT_MAX_TOKENS = 256
@@ -28,6 +29,7 @@ class CompletionParams:
     logprobs: int | None = None  # None: none; 0: each token's own; N: and the N likeliest tokens
     stop: tuple[bytes, ...] = ()
     parent_key: bytes | None = None
+    tools: ToolSpec | None = None  # rendered into the prompt; a forced call adds its grammar
 
 
 @dataclass
