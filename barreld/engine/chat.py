@@ -58,9 +58,9 @@ def _message(i: int, item: Mapping) -> Message:
         raise InvalidArgument(f"messages[{i}].content must be a string, got {type(content).__name__}")
     if calls and role != "assistant":
         raise InvalidArgument(f"messages[{i}] has tool_calls, which only an assistant message may have")
-    call_id = item.get("tool_call_id") if role == "tool" else ""
-    if not isinstance(call_id, str) or (role == "tool" and not call_id):
-        raise InvalidArgument(f"messages[{i}] is a tool message without a tool_call_id string")
+    call_id = item.get("tool_call_id", "") if role == "tool" else ""
+    if not isinstance(call_id, str):
+        raise InvalidArgument(f"messages[{i}].tool_call_id must be a string")
     return Message(role, content, calls, call_id)
 
 
@@ -92,11 +92,11 @@ def _arguments(where: str, arguments: object) -> str:
 
 
 def check_tool_history(messages: Iterable[Message]) -> None:
-    """Each tool result answers a call an earlier assistant message made."""
+    """Each tool result that names a call answers one an earlier assistant message made."""
     made: set[str] = set()
     for i, m in enumerate(messages):
         made.update(c.id for c in m.tool_calls)
-        if m.role == "tool" and m.tool_call_id not in made:
+        if m.tool_call_id and m.tool_call_id not in made:
             raise InvalidArgument(f"messages[{i}] answers tool call {m.tool_call_id[:64]!r}, which no earlier "
                                   "assistant message made")
 
@@ -127,6 +127,7 @@ def render(
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     extra = {} if tools is None or not knows_tools(template) else {"tools": template_tools(tools.tools)}
     try:
         text = env.from_string(template).render(
@@ -139,6 +140,13 @@ def render(
     except jinja2.TemplateError as exc:
         raise InvalidArgument(f"the chat template failed: {exc}") from None
     return text.encode("utf-8", "replace")
+
+
+def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """JSON as Hugging Face's renderer writes it for templates: Jinja's own filter escapes < > & ' for HTML,
+    so a tool's schema or a call's arguments would render to other bytes than the model was trained on."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def template_messages(template: str, messages: tuple[Message, ...], tools: ToolSpec | None) -> list[dict]:
