@@ -86,6 +86,7 @@ class Done:
     completion_tokens: int
     timings: Timings
     logprobs: tuple[TokenLogprob, ...] = ()  # every token the text holds, when asked for
+    stop: bytes = b""  # the stop string that ended it, if one did
 
 
 @dataclass

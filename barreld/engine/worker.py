@@ -210,6 +210,11 @@ class ModelWorker:
         template = p.chat_template or be.chat_template
         return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
 
+    def count_tokens(self, params: CompletionParams) -> int:
+        """The prompt's length in tokens, as a request with these parameters would have it; reads only the
+        vocabulary, so it runs on the caller's thread beside the model's."""
+        return len(self.backend.tokenize(self._prompt_bytes(params)))
+
     def _tool_sampling(self, p: CompletionParams) -> SamplingParams:
         """The request's sampling, with a forced tool call's grammar written for this model's template."""
         if p.tools is None or not p.tools.forced:
@@ -455,6 +460,7 @@ class ModelWorker:
                 completion_tokens=req.generated,
                 timings=type(t)(_ms(t.lookup), _ms(t.restore), _ms(t.prefill), _ms(t.ttft), _ms(t.total)),
                 logprobs=tuple(req.logprobs[: req.logprobs_sent]),
+                stop=req.scanner.matched,
             )
         )
         self._release(req)

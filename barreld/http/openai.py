@@ -64,6 +64,7 @@ class ApiRequest:
     stop: tuple[str, ...]
     parent_key: str
     tools: ToolSpec | None = None
+    capped: bool = False  # max_tokens above the model's n_ctx is cut to it, not refused
 
     def params(self, n_ctx: int) -> CompletionParams:
         """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx. A grammar is
@@ -72,7 +73,8 @@ class ApiRequest:
             n_ctx=n_ctx,
             prompt=self.prompt,
             messages=self.messages,
-            max_tokens=n_ctx if self.max_tokens is None else self.max_tokens,
+            max_tokens=n_ctx if self.max_tokens is None else min(self.max_tokens, n_ctx) if self.capped
+            else self.max_tokens,
             sampling=dataclasses.replace(self.sampling, grammar=constraint(*self.constraint)),
             logprobs=self.logprobs,
             stop=self.stop,
@@ -104,10 +106,10 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         prompt=b"" if chat else _prompt(body),
         messages=_messages(body) if chat else (),
         max_tokens=max_tokens,
-        sampling=_sampling(body),
+        sampling=sampling(body),
         constraint=(body.get("grammar", str, "a string of GBNF") or "", *_response_format(body)),
         logprobs=_logprobs(body, chat),
-        stop=_stop(body),
+        stop=stop_strings(body),
         parent_key=body.get("parent_key", str, "a string of 64 hex digits") or "",
         tools=_tools(body) if chat else None,
     )
@@ -144,7 +146,7 @@ SAMPLING_FIELDS = {
 }
 
 
-def _sampling(body: Body) -> SamplingParams:
+def sampling(body: Body) -> SamplingParams:
     """The sampler's settings under OpenAI's names and llama.cpp's server's; absent ones at their defaults."""
     temperature = body.get("temperature", (int, float), "a number")
     given = {name: body.get(name, *kind) for name, kind in SAMPLING_FIELDS.items()}
@@ -215,13 +217,13 @@ def utf8(text: str, what: str) -> bytes:
         raise InvalidArgument(f"{what} holds an unpaired surrogate (\\ud800-\\udfff); send valid Unicode") from None
 
 
-def _stop(body: Body) -> tuple[str, ...]:
-    stop = body.get("stop", (str, list), "a string or a list of strings")
+def stop_strings(body: Body, name: str = "stop") -> tuple[str, ...]:
+    stop = body.get(name, (str, list), "a string or a list of strings")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stops):
-        raise InvalidArgument("stop must be a string or a list of strings")
+        raise InvalidArgument(f"{name} must be a string or a list of strings")
     for s in stops:
-        utf8(s, "stop")
+        utf8(s, name)
     return stops
 
 
