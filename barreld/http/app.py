@@ -1,5 +1,5 @@
-"""The Starlette app: OpenAI routes under /v1, /health and /metrics, over the same registry, workers and
-error rules as the gRPC servicer (barreld.server.frontend).
+"""The Starlette app: OpenAI's and Anthropic's routes under /v1, /health and /metrics, over the same registry,
+workers and error rules as the gRPC servicer (barreld.server.frontend); each route only translates shapes.
 
 A completion waits for the worker's first event before it answers, so a request refused at start (prompt
 longer than the context, unknown model, full queue) gets its own status instead of a 200 with an error in

@@ -73,14 +73,20 @@ class ApiRequest:
             n_ctx=n_ctx,
             prompt=self.prompt,
             messages=self.messages,
-            max_tokens=n_ctx if self.max_tokens is None else min(self.max_tokens, n_ctx) if self.capped
-            else self.max_tokens,
+            max_tokens=self._max_tokens(n_ctx),
             sampling=dataclasses.replace(self.sampling, grammar=constraint(*self.constraint)),
             logprobs=self.logprobs,
             stop=self.stop,
             parent_key=self.parent_key,
             tools=self.tools,
         )
+
+
+    def _max_tokens(self, n_ctx: int) -> int:
+        """None: until a stop or the context is full; above n_ctx: refused, unless `capped`."""
+        if self.max_tokens is None:
+            return n_ctx
+        return min(self.max_tokens, n_ctx) if self.capped else self.max_tokens
 
 
 def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
