@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from barreld.engine.chat import Message
+from barreld.engine.divergence import Divergence
 from barreld.engine.sampler import Sampler
 from barreld.engine.sampling import SamplingParams
 from barreld.engine.stops import StopScanner
@@ -38,6 +39,7 @@ class CacheReport:
     restored_tokens: int = 0
     prefilled_tokens: int = 0
     tier: str | None = None
+    divergence: Divergence | None = None  # on a miss or partial hit: where the closest live text stopped matching
 
 
 @dataclass

@@ -23,6 +23,7 @@ import numpy as np
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError
 from barreld.engine.chat import Message
+from barreld.engine.divergence import divergence
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import Found, ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
@@ -172,9 +173,12 @@ class ModelWorker:
         idle = [s for s in self.seqs if s.idle]
         found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
+        held = (bytes(s.rendered) for s in self.seqs if s.tokens)
+        closest = divergence(rendered, offsets, held) if found.tokens < len(tokens) else None
         seq = found.seq if found.seq is not None else self._claim(idle)
         req.target = tokens
         kept = self._place(req, seq, found)
+        req.cache.divergence = closest if kept < len(tokens) else None
         req.prompt_tokens = len(tokens)
         seq.prompt_len = len(tokens)
         req.cache.route = found.route if kept > 0 else Route.MISS
