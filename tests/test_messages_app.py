@@ -56,6 +56,7 @@ def test_a_stream_sends_anthropics_events_in_order(served: Served) -> None:
     assert set(names[2:-3]) == {"content_block_delta"} and names[-3] == "content_block_stop"
     delta = got[-2][1]
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 5
+    assert delta["barrel"]["cache"]["path"] in ("miss", "live", "exact")
     text = "".join(d["delta"]["text"] for n, d in got if n == "content_block_delta")
     whole = served.request("POST", "/v1/messages", BODY)[2]
     assert whole["content"] == [{"type": "text", "text": text}] and whole["stop_reason"] == "max_tokens"

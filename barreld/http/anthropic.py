@@ -4,7 +4,8 @@ Anthropic's SSE events. Tool calls are found by the engine's parser (barreld.eng
 
 Fields that steer Anthropic's own service (cache_control, thinking, context_management, output_config,
 metadata, service_tier) are accepted and ignored: Barrel caches every prompt. `max_tokens` above the context
-is a cap. `usage.input_tokens` counts the tokens prefilled; `cache_read_input_tokens` those restored.
+is a cap. `usage.input_tokens` counts the tokens prefilled; `cache_read_input_tokens` those restored. Barrel's own
+report (`barrel`: route, tier, keys, timings, why a miss missed) rides beside, as on the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from barreld.engine.chat import MAX_MESSAGES, Message, check_tool_history
 from barreld.engine.request import Done, Started, Token
 from barreld.engine.tools import CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.http.openai import ApiRequest, Body, sampling, stop_strings, utf8
+from barreld.http.openai import ApiRequest, Body, barrel_doc, sampling, stop_strings, utf8
 
 ROLES = ("user", "assistant", "system")  # Claude Code sends system turns inside messages
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {type: tool, name}: that tool
@@ -202,7 +203,8 @@ class MessagesReply:
         text, calls = split_calls(text, self.req.tools) if self.req.tools is not None else (text, ())
         content = [{"type": "text", "text": text}] if text or not calls else []
         return {**self._head(), "content": content + [_tool_block(c) for c in calls], **self.stop(done, calls),
-                "usage": usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens)}
+                "usage": usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens),
+                "barrel": barrel_doc(done)}
 
     def events(self, ev: Started | Token | Done) -> list[bytes]:
         if isinstance(ev, Started):
@@ -242,6 +244,7 @@ class MessagesReply:
                                                                             "partial_json": c.arguments}}))
             out.append(event("content_block_stop", {"index": i}))
         counts = usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens)
-        out.append(event("message_delta", {"delta": self.stop(done, calls), "usage": counts}))
+        out.append(event("message_delta", {"delta": self.stop(done, calls), "usage": counts,
+                                           "barrel": barrel_doc(done)}))
         out.append(event("message_stop", {}))
         return out
