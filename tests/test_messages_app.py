@@ -5,9 +5,11 @@ tests/test_anthropic.py runs the real SDK on the real model.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,23 +64,47 @@ def test_a_stream_sends_anthropics_events_in_order(served: Served) -> None:
     assert whole["content"] == [{"type": "text", "text": text}] and whole["stop_reason"] == "max_tokens"
 
 
-def test_pings_keep_the_stream_alive_while_no_token_comes(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def no_decodes(served: Served, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
+    """Pings every 50 ms while the model decodes nothing until the yielded function lets it run."""
     monkeypatch.setattr(app_module, "PING_SECONDS", 0.05)
+    served.backend.permits = threading.Semaphore(0)  # none left over from an earlier test
+
+    def release() -> None:
+        served.backend.stepping = False
+        served.backend.permits.release(1000)
+
     served.backend.stepping = True
     try:
+        yield release
+    finally:
+        release()
+        wait_for(lambda: served.counts()["running"] == 0)
+
+
+def test_pings_keep_the_stream_alive_while_no_token_comes(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    with no_decodes(served, monkeypatch) as release:
         fresh = {**BODY, "messages": [{"role": "user", "content": "a prompt no other test sends"}]}
         conn, resp = open_stream(served, fresh)  # nothing to restore: the first token needs a decode
         stream = events(resp)
         assert next(stream)[0] == "message_start"  # at once, before any decode
         assert next(stream)[0] == "ping"
-        served.backend.stepping = False
-        served.backend.permits.release(1000)
+        release()
         assert [n for n, _ in stream][-1] == "message_stop"
         conn.close()
-    finally:
-        served.backend.stepping = False
-        served.backend.permits.release(1000)
-        wait_for(lambda: served.counts()["running"] == 0)
+
+
+def test_an_openai_stream_sends_comment_keep_alives_too(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    with no_decodes(served, monkeypatch) as release:
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        body = {"model": "m", "stream": True, "max_tokens": 3, "messages": [{"role": "user", "content": "keep me"}]}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        lines = [resp.readline() for _ in range(4)]  # the role chunk and its blank line, then a keep-alive
+        assert lines[0].startswith(b"data: ") and lines[2] == b": keep-alive\n"
+        release()
+        assert resp.read().endswith(b"data: [DONE]\n\n")
+        conn.close()
 
 
 def test_count_tokens_counts_the_rendered_prompt(served: Served) -> None:
@@ -111,3 +137,4 @@ def test_a_key_is_taken_as_x_api_key_or_bearer(tmp_path: Path) -> None:
             assert guarded.request("POST", "/v1/messages", BODY, headers=headers)[0] == 200
     finally:
         guarded.close()
+
