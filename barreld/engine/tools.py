@@ -91,6 +91,8 @@ def tool(name: object, description: object, parameters: object, where: str) -> T
 
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise InvalidArgument(f"{where}.name must be 1-64 letters, digits, _ . or -, got {str(name)[:64]!r}")
+    if name in CHOICES:  # a choice naming it would read as that mode
+        raise InvalidArgument(f"{where}.name {name!r} is reserved: tool_choice uses it; rename the tool")
     if description is not None and not isinstance(description, str):
         raise InvalidArgument(f"{where}.description must be a string")
     parameters = {"type": "object", "properties": {}} if parameters is None else parameters

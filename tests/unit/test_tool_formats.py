@@ -171,6 +171,7 @@ def test_a_schema_the_grammar_cannot_enforce_is_held_to_any_object() -> None:
     (lambda: tool("f", None, {"type": "string"}, "t"), "JSON Schema object of type object"),
     (lambda: tool("f", None, ["x"], "t"), "JSON Schema object of type object"),
     (lambda: tool("a b", None, None, "t"), "1-64 letters"),
+    (lambda: tool("required", None, None, "t"), "is reserved"),
     (lambda: tool("f", None, {"type": "object", "properties": 3}, "t"), "not a valid JSON Schema"),
     (lambda: tool_spec([WEATHER], "other"), "not among the tools"),
     (lambda: tool_spec([WEATHER, WEATHER]), "same name"),
