@@ -1,11 +1,15 @@
 """Tool calls on text: each family's format rendered through a template in its style and parsed back, the
 prefix a reply leaves for the next turn, the streamed split that never shows a marker's start, and the
-forced-call grammar that llama.cpp accepts. The generic format is rendered through SmolLM2's own template.
+forced-call grammar that llama.cpp accepts. The generic format is rendered through SmolLM2's own template and
+the README's Gemma 3 one.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import gguf
 import pytest
@@ -88,17 +92,28 @@ def test_each_family_gets_the_tools_and_its_reply_renders_back_as_the_prefix_of_
     assert draw(template, answered).startswith(prompt + reply)
 
 
-def test_the_generic_format_describes_the_tools_in_smollm2s_system_turn_and_renders_a_call_back() -> None:
-    template = smollm2_template()
-    assert format_of(template) is GENERIC
+def gemma_template() -> str:
+    """The Gemma 3 template the README gives (Gemma 3 270M ships none)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return re.search(r"cat > gemma.jinja <<'JINJA'\n(.*?)JINJA\n", readme, re.S).group(1)
+
+
+@pytest.mark.parametrize(("template", "system_turn", "end"), [
+    (smollm2_template, "<|im_start|>system\nBe brief.\n\nYou can call tools.", "<|im_end|>"),
+    (gemma_template, "<start_of_turn>user\n[system] Be brief.\n\nYou can call tools.", "<end_of_turn>"),
+], ids=["smollm2", "gemma3"])
+def test_the_generic_format_describes_the_tools_in_the_system_turn_and_renders_a_call_back(
+    template: Callable[[], str], system_turn: str, end: str
+) -> None:
+    text = template()
+    assert format_of(text) is GENERIC
     system = (Message("system", "Be brief."), *HISTORY)
-    prompt = draw(template, system)
-    assert prompt.startswith("<|im_start|>system\nBe brief.\n\nYou can call tools.")
-    assert json.dumps(WEATHER.parameters) in prompt
+    prompt = draw(text, system)
+    assert prompt.startswith(system_turn) and json.dumps(WEATHER.parameters) in prompt
     reply = GENERIC.text([CALL])
     assert reply == '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     answered = (*system, Message("assistant", "", (CALL,)), Message("tool", "21", (), CALL.id))
-    assert draw(template, answered).startswith(prompt + reply + "<|im_end|>")
+    assert draw(text, answered).startswith(prompt + reply + end)
 
 
 def test_arguments_are_returned_as_the_model_wrote_them() -> None:
