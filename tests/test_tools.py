@@ -127,11 +127,13 @@ BAD = [
      "arguments must be a JSON object"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "only text parts"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
 ]
 
 
 @pytest.mark.parametrize(("extra", "says"), BAD, ids=["schema-list", "schema-string", "unknown-choice",
-                                                      "unknown-call-id", "bad-arguments", "image"])
+                                                      "unknown-call-id", "bad-arguments", "image",
+                                                      "forced-and-format"])
 def test_bad_tool_requests_are_400_and_the_daemon_serves_on(daemon: Daemon, extra: dict, says: str) -> None:
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     status, reply = daemon.request("POST", "/v1/chat/completions", json.dumps(body).encode())
