@@ -105,10 +105,11 @@ class ModelConfig:
     type_v: str | None = None
     swa_full: bool | None = None
     aliases: tuple[str, ...] = ()  # glob patterns of the names clients may send for this model
+    chat_template: str | None = None  # the text of the Jinja file the entry names, in place of the GGUF's
 
     def knobs(self) -> dict[str, Any]:
         """The context knobs this entry sets, by LoadOptions' names (the others keep their defaults)."""
-        names = ("n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full")
+        names = ("n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "chat_template")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -411,6 +412,12 @@ class _Reader:
                 out[name] = value
         if out.get("type_v", "f16") not in PLAIN_KV_TYPES and not out.get("flash_attn", False):
             self.fail(f"{key}.type_v", f"a quantised V cache ({out['type_v']}) needs flash_attn = true")
+        if "chat_template" in entry:
+            path = self.path(entry["chat_template"], f"{key}.chat_template")
+            try:
+                out["chat_template"] = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                self.fail(f"{key}.chat_template", f"cannot read the template {path}: {exc}")
         return out
 
     # value checks

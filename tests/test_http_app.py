@@ -532,3 +532,12 @@ def test_keys_are_enforced_on_every_route_but_health(tmp_path: Path) -> None:
         assert reply.usage.completion_tokens == 2
     finally:
         guarded.close()
+
+
+def test_a_miss_says_where_the_prompt_stopped_matching_the_closest_cached_text(healthy: Served) -> None:
+    system = "Agent. Now: 2026-12-01T14:03:12Z. " + plain(80, 9).decode()
+    first = healthy.complete(prompt=system)
+    assert "divergence" not in first["barrel"]["cache"] or first["barrel"]["cache"]["divergence"]["matched_bytes"] < 40
+    later = healthy.complete(prompt=system.replace("14:03:12", "14:03:19"))
+    d = later["barrel"]["cache"]["divergence"]
+    assert d["prompt"].startswith("9Z. ") and d["cached"].startswith("2Z. ") and d["matched_tokens"] > 0

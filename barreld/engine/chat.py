@@ -8,9 +8,11 @@ immutable sandbox: a template comes from a file or a client, and must not reach 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from barreld.engine.tools import GENERIC, ToolCall, ToolSpec, generic_description, knows_tools, template_tools
 from barreld.errors import FailedPrecondition, InvalidArgument
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -21,6 +23,8 @@ MAX_MESSAGES = 4096
 class Message:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # a tool message: the call it answers
 
 
 def messages_from(items: Iterable[object]) -> tuple[Message, ...]:
@@ -35,20 +39,66 @@ def messages_from(items: Iterable[object]) -> tuple[Message, ...]:
         out.append(_message(i, item))
     if not out:
         raise InvalidArgument("messages is empty; send at least one message")
+    check_tool_history(out)
     return tuple(out)
 
 
 def _message(i: int, item: Mapping) -> Message:
-    missing = [key for key in ("role", "content") if key not in item]
+    calls = _tool_calls(i, item.get("tool_calls"))
+    missing = [key for key in ("role", "content") if key not in item and not (key == "content" and calls)]
     if missing:
         raise InvalidArgument(f"messages[{i}] has no {' and no '.join(missing)}")
-    role, content = item["role"], item["content"]
+    role, content = item["role"], item.get("content")
     if role not in ROLES:
         shown = repr(role)[:40]
         raise InvalidArgument(f"messages[{i}].role {shown} is not one of {', '.join(ROLES)}")
+    if content is None and calls:
+        content = ""
     if not isinstance(content, str):
         raise InvalidArgument(f"messages[{i}].content must be a string, got {type(content).__name__}")
-    return Message(role, content)
+    if calls and role != "assistant":
+        raise InvalidArgument(f"messages[{i}] has tool_calls, which only an assistant message may have")
+    call_id = item.get("tool_call_id", "") if role == "tool" else ""
+    if not isinstance(call_id, str):
+        raise InvalidArgument(f"messages[{i}].tool_call_id must be a string")
+    return Message(role, content, calls, call_id)
+
+
+def _tool_calls(i: int, items: object) -> tuple[ToolCall, ...]:
+    """OpenAI's {id, type: function, function: {name, arguments}}; arguments a JSON object as text."""
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise InvalidArgument(f"messages[{i}].tool_calls must be a list")
+    calls = []
+    for j, c in enumerate(items):
+        f = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(f, Mapping) or not all(isinstance(x, str) for x in (c.get("id"), f.get("name"))):
+            raise InvalidArgument(f"messages[{i}].tool_calls[{j}] must be {{id, type, function: {{name, arguments}}}}")
+        arguments = f.get("arguments")
+        if isinstance(arguments, Mapping):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(c["id"], f["name"], _arguments(f"messages[{i}].tool_calls[{j}]", arguments)))
+    return tuple(calls)
+
+
+def _arguments(where: str, arguments: object) -> str:
+    try:
+        if isinstance(arguments, str) and isinstance(json.loads(arguments), dict):
+            return arguments
+    except ValueError:
+        pass
+    raise InvalidArgument(f"{where}: arguments must be a JSON object (as text)")
+
+
+def check_tool_history(messages: Iterable[Message]) -> None:
+    """Each tool result that names a call answers one an earlier assistant message made."""
+    made: set[str] = set()
+    for i, m in enumerate(messages):
+        made.update(c.id for c in m.tool_calls)
+        if m.tool_call_id and m.tool_call_id not in made:
+            raise InvalidArgument(f"messages[{i}] answers tool call {m.tool_call_id[:64]!r}, which no earlier "
+                                  "assistant message made")
 
 
 def render(
@@ -58,6 +108,7 @@ def render(
     bos: str,
     eos: str,
     model: str,
+    tools: ToolSpec | None = None,
 ) -> bytes:
     """The conversation rendered by `template`, ending with the cue for the assistant's next turn.
 
@@ -76,13 +127,51 @@ def render(
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
+    extra = {} if tools is None or not knows_tools(template) else {"tools": template_tools(tools.tools)}
     try:
         text = env.from_string(template).render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=template_messages(template, messages, tools),
             add_generation_prompt=True,
             bos_token=bos,
             eos_token=eos,
+            **extra,
         )
     except jinja2.TemplateError as exc:
         raise InvalidArgument(f"the chat template failed: {exc}") from None
     return text.encode("utf-8", "replace")
+
+
+def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """JSON as Hugging Face's renderer writes it for templates: Jinja's own filter escapes < > & ' for HTML,
+    so a tool's schema or a call's arguments would render to other bytes than the model was trained on."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def template_messages(template: str, messages: tuple[Message, ...], tools: ToolSpec | None) -> list[dict]:
+    """Messages as Hugging Face templates take them. For a template that knows no tools, the tools are
+    described in the system turn and each call is written into the assistant's content as the model wrote
+    it, so a reply renders back to its own bytes."""
+    if knows_tools(template):
+        return [_template_message(m) for m in messages]
+    out = [{"role": m.role, "content": m.content + GENERIC.text(m.tool_calls) if m.tool_calls else m.content}
+           for m in messages]
+    if tools is not None:
+        described = generic_description(tools.tools)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] += "\n\n" + described
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def _template_message(m: Message) -> dict:
+    doc: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        doc["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.role == "tool":
+        doc["tool_call_id"] = m.tool_call_id
+    return doc

@@ -40,6 +40,20 @@ FRACTION = '("." [0-9]{1,15})?'
 def schema_grammar(schema: object) -> str:
     """GBNF whose every complete match is JSON that validates against `schema`; InvalidArgument names what
     is wrong with a schema that is not JSON Schema, or what it asks that the grammar cannot enforce."""
+    check_schema(schema)
+    return _rooted(_convert([("", schema)]))
+
+
+def schemas_grammar(named: list[tuple[str, object]], root: str) -> str:
+    """GBNF with one rule per (name, schema), each matching JSON valid against its schema, and `root` (GBNF
+    over those names) as the start rule: a tool call's envelope around its tool's arguments."""
+    for _, schema in named:
+        check_schema(schema)
+    return _convert(named) + f"\nroot ::= {root}"
+
+
+def check_schema(schema: object) -> None:
+    """InvalidArgument unless `schema` is JSON Schema whose every constraint the grammar enforces."""
     import jsonschema
 
     if not isinstance(schema, dict):
@@ -50,7 +64,6 @@ def schema_grammar(schema: object) -> str:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise InvalidArgument(f"not a valid JSON Schema at {where}: {exc.message[:200]}") from None
     _check_supported(schema, "#", 0)
-    return _convert(schema)
 
 
 def _check_supported(schema: object, where: str, depth: int) -> None:
@@ -120,7 +133,7 @@ def _bound(schema: dict, inclusive: str, exclusive: str, to_int: Any, step: int)
     return max(values) if step > 0 else min(values)
 
 
-def _convert(schema: dict) -> str:
+def _convert(named: list[tuple[str, object]]) -> str:
     from llama_cpp.llama_grammar import SchemaConverter
 
     class Converter(SchemaConverter):
@@ -137,8 +150,9 @@ def _convert(schema: dict) -> str:
 
     converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
-        converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "input"), "")
-        return _rooted(converter.format_grammar())
+        for name, schema in named:  # each its own base for $refs, so equal $defs paths do not collide
+            converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), f"input-{name}"), name)
+        return converter.format_grammar()
     except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
         raise InvalidArgument(f"the JSON schema could not be turned into a grammar: {str(exc)[:200]}") from None
 

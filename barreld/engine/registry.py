@@ -78,6 +78,7 @@ class LoadOptions:
     type_v: str = "f16"
     swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
     aliases: tuple[str, ...] = ()  # glob patterns of other names clients may ask for it by
+    chat_template: str | None = None  # in place of the GGUF's own (a base model has none)
 
 
 def check_model_knobs(opts: LoadOptions) -> None:
@@ -253,6 +254,8 @@ class ModelRegistry:
             backend = self.backend_factory(path, settings)
         except (ModelLoadError, ValueError, OSError) as exc:
             raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
+        if opts.chat_template:
+            backend.chat_template = opts.chat_template
         memory = model_memory(backend, policy.chunk_size(opts.n_batch) or opts.n_batch)
         quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
         ctx_bytes = context_params(settings, backend, memory).encode()

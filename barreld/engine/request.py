@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from barreld.engine.chat import Message
+from barreld.engine.divergence import Divergence
 from barreld.engine.sampler import Sampler
 from barreld.engine.sampling import SamplingParams
 from barreld.engine.stops import StopScanner
+from barreld.engine.tools import ToolSpec
 from barreld.names import Route
 
 DEFAULT_MAX_TOKENS = 256
@@ -28,6 +30,7 @@ class CompletionParams:
     logprobs: int | None = None  # None: none; 0: each token's own; N: and the N likeliest tokens
     stop: tuple[bytes, ...] = ()
     parent_key: bytes | None = None
+    tools: ToolSpec | None = None  # rendered into the prompt; a forced call adds its grammar
 
 
 @dataclass
@@ -36,6 +39,7 @@ class CacheReport:
     restored_tokens: int = 0
     prefilled_tokens: int = 0
     tier: str | None = None
+    divergence: Divergence | None = None  # on a miss or partial hit: where the closest live text stopped matching
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Done:
     completion_tokens: int
     timings: Timings
     logprobs: tuple[TokenLogprob, ...] = ()  # every token the text holds, when asked for
+    stop: bytes = b""  # the stop string that ended it, if one did
 
 
 @dataclass

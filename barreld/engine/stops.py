@@ -15,14 +15,16 @@ class StopScanner:
         self._held = b""
         self.text = b""
         self.stopped = False
+        self.matched = b""  # the stop string that ended the text
 
     def feed(self, piece: bytes) -> bytes:
         if self.stopped:
             return b""
         buf = self._held + piece
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        cut, stop = min(((i, s) for s, i in ((s, buf.find(s)) for s in self._stops) if i >= 0), default=(-1, b""))
         if cut >= 0:
             self.stopped = True
+            self.matched = stop
             self._held = b""
             self.text += buf[:cut]
             return buf[:cut]

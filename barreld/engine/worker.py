@@ -23,6 +23,8 @@ import numpy as np
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError
 from barreld.engine.chat import Message
+from barreld.engine.divergence import divergence
+from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import Found, ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
@@ -37,8 +39,10 @@ from barreld.engine.request import (
     TokenLogprob,
 )
 from barreld.engine.sampler import Sampler, logprobs
+from barreld.engine.sampling import SamplingParams
 from barreld.engine.sequence import Sequence, Snapshot
 from barreld.engine.stops import StopScanner
+from barreld.engine.tools import forced_grammar, format_of
 from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
 from barreld.names import Route
 
@@ -75,7 +79,8 @@ class ModelWorker:
     def submit(self, params: CompletionParams, events: EventSink | None = None) -> Request:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
-        params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False)
+        params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False,
+                                     sampling=self._tool_sampling(params))
         with self._cond:
             if self._stopping:
                 raise Unavailable(f"model {self.name} is shutting down; retry once it is loaded again")
@@ -168,9 +173,12 @@ class ModelWorker:
         idle = [s for s in self.seqs if s.idle]
         found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
+        held = (bytes(s.rendered) for s in self.seqs if s.tokens)
+        closest = divergence(rendered, offsets, held) if found.tokens < len(tokens) else None
         seq = found.seq if found.seq is not None else self._claim(idle)
         req.target = tokens
         kept = self._place(req, seq, found)
+        req.cache.divergence = closest if kept < len(tokens) else None
         req.prompt_tokens = len(tokens)
         seq.prompt_len = len(tokens)
         req.cache.route = found.route if kept > 0 else Route.MISS
@@ -204,7 +212,22 @@ class ModelWorker:
             return p.prompt
         be = self.backend
         template = p.chat_template or be.chat_template
-        return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name)
+        return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
+
+    def count_tokens(self, params: CompletionParams) -> int:
+        """The prompt's length in tokens, as a request with these parameters would have it; reads only the
+        vocabulary, so it runs on the caller's thread beside the model's."""
+        return len(self.backend.tokenize(self._prompt_bytes(params)))
+
+    def _tool_sampling(self, p: CompletionParams) -> SamplingParams:
+        """The request's sampling, with a forced tool call's grammar written for this model's template."""
+        if p.tools is None or not p.tools.forced:
+            return p.sampling
+        if p.sampling.grammar:
+            raise InvalidArgument("a forced tool call cannot be combined with a grammar or response_format")
+        grammar = forced_grammar(p.tools, format_of(p.chat_template or self.backend.chat_template))
+        check_gbnf(grammar)
+        return dataclasses.replace(p.sampling, grammar=grammar)
 
     def _check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.backend.n_ctx:
@@ -441,6 +464,7 @@ class ModelWorker:
                 completion_tokens=req.generated,
                 timings=type(t)(_ms(t.lookup), _ms(t.restore), _ms(t.prefill), _ms(t.ttft), _ms(t.total)),
                 logprobs=tuple(req.logprobs[: req.logprobs_sent]),
+                stop=req.scanner.matched,
             )
         )
         self._release(req)

@@ -1,5 +1,5 @@
-"""The Starlette app: OpenAI routes under /v1, /health and /metrics, over the same registry, workers and
-error rules as the gRPC servicer (barreld.server.frontend).
+"""The Starlette app: OpenAI's and Anthropic's routes under /v1, /health and /metrics, over the same registry,
+workers and error rules as the gRPC servicer (barreld.server.frontend); each route only translates shapes.
 
 A completion waits for the worker's first event before it answers, so a request refused at start (prompt
 longer than the context, unknown model, full queue) gets its own status instead of a 200 with an error in
@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from starlette.applications import Starlette
@@ -28,14 +28,16 @@ from starlette.routing import Route
 from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import Done, Started, Token
 from barreld.errors import InvalidArgument, Unavailable
-from barreld.http.openai import DONE_LINE, Reply, parse_request
-from barreld.server.frontend import Call, Deliver, Outcome, client_error, start_call
+from barreld.http.anthropic import PING, MessagesReply, error_doc, event, parse_messages
+from barreld.http.openai import DONE_LINE, ApiRequest, Reply, parse_request
+from barreld.server.frontend import Call, Deliver, Outcome, check_model_name, client_error, start_call
 from barreld.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 16 << 20
 RETRY_AFTER = {"Retry-After": "1"}
+PING_SECONDS = 5.0  # keep-alives while a prefill runs, so clients waiting for a token do not time out
 CLIENT_GONE = 499  # logged only: nobody is left to read it
 # A domain error's category -> HTTP status, OpenAI error type and code.
 STATUS: dict[str, tuple[int, str, str | None]] = {
@@ -57,11 +59,13 @@ class ApiError(Exception):
     def doc(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """The answer in OpenAI's shape, or in Anthropic's for the Messages API."""
         headers = RETRY_AFTER if self.status in (429, 503) else None
         if self.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
-        return JSONResponse(self.doc(), self.status, headers=headers)
+        doc = error_doc(self.status, self.message) if anthropic else self.doc()
+        return JSONResponse(doc, self.status, headers=headers)
 
 
 def api_error(exc: Exception, where: str) -> ApiError:
@@ -105,15 +109,18 @@ class HttpApi:
             Route("/v1/models/{name}", self._guard(self.model), methods=["GET"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"]),
+            Route("/v1/messages", self._guard(self.messages, anthropic=True), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._guard(self.count_tokens, anthropic=True), methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
 
     # ---- plumbing ---------------------------------------------------------------------------------
 
     def _guard(
-        self, handler: Callable[[Request], Awaitable[Response]], auth: bool = True
+        self, handler: Callable[[Request], Awaitable[Response]], auth: bool = True, anthropic: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
-        """Checks the bearer key, then runs the handler; whatever it raises is answered in OpenAI's shape."""
+        """Checks the key, then runs the handler; whatever it raises is answered in the route's own shape
+        (OpenAI's, or Anthropic's for the Messages API)."""
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -123,17 +130,21 @@ class HttpApi:
             except ClientGone:
                 return Response(status_code=CLIENT_GONE)
             except Exception as exc:  # noqa: BLE001 - every error is answered, none takes the daemon down
-                return api_error(exc, request.url.path).response()
+                return api_error(exc, request.url.path).response(anthropic)
 
         return endpoint
 
     def _authorize(self, request: Request) -> None:
-        """Every key is compared, in constant time each, so the answer's timing tells nothing of the keys."""
+        """The key as a bearer token or as Anthropic's x-api-key; every key is compared, in constant time
+        each, so the answer's timing tells nothing of the keys."""
         if not self.api_keys:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not given.strip():
-            raise ApiError(401, "missing API key: send Authorization: Bearer KEY", code="invalid_api_key")
+            raise ApiError(401, "missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
+                           code="invalid_api_key")
         offered = given.strip().encode()
         matched = False
         for key in self.api_keys:
@@ -188,35 +199,100 @@ class HttpApi:
     async def _complete(self, request: Request, chat: bool) -> Response:
         self._check_open()
         req = parse_request(await read_json(request), chat)
+        return await self._run(request, req, lambda model: OpenAIStream(Reply(req, model)))
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API over the same calls as the OpenAI routes."""
+        self._check_open()
+        req = parse_messages(await read_json(request))
+        return await self._run(request, req, lambda model: AnthropicStream(MessagesReply(req, model)))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt's length in tokens as /v1/messages would render it; nothing runs on the model."""
+        self._check_open()
+        req = parse_messages(await read_json(request), counting=True)
+
+        def count() -> int:
+            check_model_name(req.model)
+            model = self.registry.get(req.model)
+            return model.worker.count_tokens(req.params(model.options.n_ctx))
+
+        return JSONResponse({"input_tokens": await anyio.to_thread.run_sync(count)})
+
+    async def _run(self, request: Request, req: ApiRequest, shape: Callable[[str], Stream]) -> Response:
         events = Events(lambda deliver: start_call(self.registry, req.model, req.params, self.metrics, "http", deliver))
         try:
             first = await until_disconnected(request, events.cancel, events.next())
-            reply = Reply(req, events.model)
+            stream = shape(events.model)
             if req.stream:
-                return StreamingResponse(self._sse(events, reply, first), media_type="text/event-stream",
+                return StreamingResponse(self._sse(events, stream, first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             done = first if isinstance(first, Done) else await until_disconnected(request, events.cancel,
                                                                                   events.done())
-            return JSONResponse(reply.document(done))
+            return JSONResponse(stream.document(done))
         except BaseException:
             events.cancel()
             raise
 
-    async def _sse(self, events: Events, reply: Reply, ev: Started | Token | Done) -> AsyncIterator[bytes]:
-        """The stream of chunks; a failure after the first event ends it with an error chunk (the status
-        line is sent by then), as OpenAI's streams do."""
+    async def _sse(self, events: Events, stream: Stream, ev: Started | Token | Done) -> AsyncIterator[bytes]:
+        """The stream of events, with a keep-alive every PING_SECONDS while none comes (a long prefill); a
+        failure after the first event ends it with an error event (the status line is sent by then)."""
         try:
             while True:
-                for chunk in reply.chunks(ev):
-                    yield sse_line(chunk)
+                for frame in stream.frames(ev):
+                    yield frame
                 if isinstance(ev, Done):
                     break
-                ev = await events.next()
-            yield DONE_LINE
+                while (ev := await events.next_within(PING_SECONDS)) is None:
+                    yield stream.ping
+            yield stream.tail
         except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
-            yield sse_line(api_error(exc, "stream").doc())
+            yield stream.error(api_error(exc, "stream"))
         finally:
             events.cancel()
+
+
+class Stream(Protocol):
+    """A route's reply shapes, as the shared loop drives them."""
+
+    ping: bytes
+    tail: bytes
+
+    def document(self, done: Done) -> dict[str, Any]: ...
+    def frames(self, ev: Started | Token | Done) -> list[bytes]: ...
+    def error(self, error: ApiError) -> bytes: ...
+
+
+@dataclass
+class OpenAIStream:
+    reply: Reply
+    ping: bytes = b": keep-alive\n\n"
+    tail: bytes = DONE_LINE
+
+    def document(self, done: Done) -> dict[str, Any]:
+        return self.reply.document(done)
+
+    def frames(self, ev: Started | Token | Done) -> list[bytes]:
+        return [sse_line(chunk) for chunk in self.reply.chunks(ev)]
+
+    def error(self, error: ApiError) -> bytes:
+        return sse_line(error.doc())
+
+
+@dataclass
+class AnthropicStream:
+    reply: MessagesReply
+    ping: bytes = PING
+    tail: bytes = b""
+
+    def document(self, done: Done) -> dict[str, Any]:
+        return self.reply.document(done)
+
+    def frames(self, ev: Started | Token | Done) -> list[bytes]:
+        return self.reply.events(ev)
+
+    def error(self, error: ApiError) -> bytes:
+        return event("error", {"error": error_doc(error.status, error.message)["error"]})
 
 
 class Events:
@@ -267,6 +343,13 @@ class Events:
         if isinstance(item, Exception):
             raise item
         return item
+
+    async def next_within(self, seconds: float) -> Started | Token | Done | None:
+        """The next event, or None when none came within `seconds` (nothing is lost: it waits queued)."""
+        try:
+            return await asyncio.wait_for(self.next(), seconds)
+        except TimeoutError:
+            return None
 
     async def done(self) -> Done:
         while not isinstance(ev := await self.next(), Done):

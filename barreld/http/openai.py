@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from barreld.engine.chat import Message, messages_from
+from barreld.engine.divergence import Divergence
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.sampling import SamplingParams
+from barreld.engine.tools import CHOICES, CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
 from barreld.server.frontend import completion_params, constraint
 
@@ -62,6 +64,8 @@ class ApiRequest:
     logprobs: int | None  # None: not asked for; N: N alternatives per token
     stop: tuple[str, ...]
     parent_key: str
+    tools: ToolSpec | None = None
+    capped: bool = False  # max_tokens above the model's n_ctx is cut to it, not refused
 
     def params(self, n_ctx: int) -> CompletionParams:
         """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx. A grammar is
@@ -70,12 +74,20 @@ class ApiRequest:
             n_ctx=n_ctx,
             prompt=self.prompt,
             messages=self.messages,
-            max_tokens=n_ctx if self.max_tokens is None else self.max_tokens,
+            max_tokens=self._max_tokens(n_ctx),
             sampling=dataclasses.replace(self.sampling, grammar=constraint(*self.constraint)),
             logprobs=self.logprobs,
             stop=self.stop,
             parent_key=self.parent_key,
+            tools=self.tools,
         )
+
+
+    def _max_tokens(self, n_ctx: int) -> int:
+        """None: until a stop or the context is full; above n_ctx: refused, unless `capped`."""
+        if self.max_tokens is None:
+            return n_ctx
+        return min(self.max_tokens, n_ctx) if self.capped else self.max_tokens
 
 
 def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
@@ -101,12 +113,36 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         prompt=b"" if chat else _prompt(body),
         messages=_messages(body) if chat else (),
         max_tokens=max_tokens,
-        sampling=_sampling(body),
+        sampling=sampling(body),
         constraint=(body.get("grammar", str, "a string of GBNF") or "", *_response_format(body)),
         logprobs=_logprobs(body, chat),
-        stop=_stop(body),
+        stop=stop_strings(body),
         parent_key=body.get("parent_key", str, "a string of 64 hex digits") or "",
+        tools=_tools(body) if chat else None,
     )
+
+
+def _tools(body: Body) -> ToolSpec | None:
+    """OpenAI's tools ({type: function, function: {name, description, parameters}}), tool_choice and
+    parallel_tool_calls."""
+    tools = []
+    for i, t in enumerate(body.get("tools", list, "a list of tools") or []):
+        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(f, dict):
+            raise InvalidArgument(f"tools[{i}] must be {{type: function, function: {{name, description, parameters}}}}")
+        tools.append(tool(f.get("name"), f.get("description"), f.get("parameters"), f"tools[{i}].function"))
+    parallel = body.get("parallel_tool_calls", bool, "true or false")
+    return tool_spec(tools, _tool_choice(body), parallel is not False)
+
+
+def _tool_choice(body: Body) -> str:
+    choice = body.get("tool_choice", (str, dict), "auto, none, required or {type: function, function: {name}}")
+    if choice is None or choice in CHOICES:
+        return choice or "auto"
+    named = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(named, dict) or not isinstance(named.get("name"), str):
+        raise InvalidArgument("tool_choice must be auto, none, required or {type: function, function: {name}}")
+    return named["name"]
 
 
 NUMBER = ((int, float), "a number")
@@ -117,7 +153,7 @@ SAMPLING_FIELDS = {
 }
 
 
-def _sampling(body: Body) -> SamplingParams:
+def sampling(body: Body) -> SamplingParams:
     """The sampler's settings under OpenAI's names and llama.cpp's server's; absent ones at their defaults."""
     temperature = body.get("temperature", (int, float), "a number")
     given = {name: body.get(name, *kind) for name, kind in SAMPLING_FIELDS.items()}
@@ -188,13 +224,13 @@ def utf8(text: str, what: str) -> bytes:
         raise InvalidArgument(f"{what} holds an unpaired surrogate (\\ud800-\\udfff); send valid Unicode") from None
 
 
-def _stop(body: Body) -> tuple[str, ...]:
-    stop = body.get("stop", (str, list), "a string or a list of strings")
+def stop_strings(body: Body, name: str = "stop") -> tuple[str, ...]:
+    stop = body.get(name, (str, list), "a string or a list of strings")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stops):
-        raise InvalidArgument("stop must be a string or a list of strings")
+        raise InvalidArgument(f"{name} must be a string or a list of strings")
     for s in stops:
-        utf8(s, "stop")
+        utf8(s, name)
     return stops
 
 
@@ -245,11 +281,22 @@ def barrel_doc(done: Done) -> dict[str, Any]:
             "restored_tokens": c.restored_tokens,
             "prefilled_tokens": c.prefilled_tokens,
             "tier": c.tier,
+            **({} if c.divergence is None else {"divergence": divergence_doc(c.divergence)}),
         },
         "key": done.key.hex(),
         "prompt_key": done.prompt_key.hex(),
         "timings_ms": dataclasses.asdict(done.timings),
     }
+
+
+def divergence_doc(d: Divergence) -> dict[str, Any]:
+    """Where the prompt stopped matching the closest text the cache held, both sides shown as text."""
+    return {"matched_tokens": d.matched_tokens, "matched_bytes": d.matched_bytes,
+            "cached": d.cached.decode("utf-8", "replace"), "prompt": d.prompt.decode("utf-8", "replace")}
+
+
+def _call_doc(c: ToolCall) -> dict[str, Any]:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _token_doc(a: Alternative) -> dict[str, Any]:
@@ -270,6 +317,7 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if req.chat else "text_completion"
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._calls = CallStream(req.tools) if req.chat and req.tools is not None else None
         self._offset = 0  # characters of text before the next token, for text_offset
 
     def document(self, done: Done) -> dict[str, Any]:
@@ -277,21 +325,41 @@ class Reply:
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(done.logprobs),
                                   "finish_reason": done.finish_reason}
         if self.req.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = self._message(text, choice)
         else:
             choice["text"] = text
         return {**self._head(self.object), "choices": [choice], "usage": usage_doc(done), "barrel": barrel_doc(done)}
 
+    def _message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
+        """The assistant's message; calls found in the reply become `tool_calls`."""
+        content, calls = split_calls(text, self.req.tools) if self.req.tools is not None else (text, ())
+        if not calls:
+            return {"role": "assistant", "content": text}
+        choice["finish_reason"] = "tool_calls"
+        return {"role": "assistant", "content": content or None, "tool_calls": [_call_doc(c) for c in calls]}
+
     def chunks(self, ev: Started | Token | Done) -> list[dict[str, Any]]:
-        """The SSE chunks one event becomes (none for a token that only begins a character)."""
+        """The SSE chunks one event becomes (none for a token that only begins a character, or text held
+        back because it may begin a tool call)."""
         if isinstance(ev, Started):
             return [self._chunk({"role": "assistant", "content": ""})] if self.req.chat else []
         if isinstance(ev, Token):
             text = self._decoder.decode(ev.text)
+            text = self._calls.feed(text) if self._calls is not None else text
             return [self._chunk(self._delta(text), logprobs=ev.logprobs)] if text or ev.logprobs else []
         rest = self._decoder.decode(b"", final=True)
+        calls: tuple[ToolCall, ...] = ()
+        if self._calls is not None:
+            shown = self._calls.feed(rest)
+            tail, calls = self._calls.finish()
+            rest = shown + tail
         out = [self._chunk(self._delta(rest))] if rest else []
-        out.append(self._chunk({} if self.req.chat else {"text": ""}, ev.finish_reason))
+        for i, c in enumerate(calls):  # the id and name first, then the arguments
+            head = {**_call_doc(c), "index": i, "function": {"name": c.name, "arguments": ""}}
+            out.append(self._chunk({"tool_calls": [head]}))
+            out.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]}))
+        finish = "tool_calls" if calls else ev.finish_reason
+        out.append(self._chunk({} if self.req.chat else {"text": ""}, finish))
         if self.req.include_usage:
             out.append({**self._head(), "choices": [], "usage": usage_doc(ev)})
         out[-1]["barrel"] = barrel_doc(ev)
@@ -326,7 +394,7 @@ class Reply:
         return head
 
     def _chunk(
-        self, delta: dict[str, str], finish_reason: str | None = None, logprobs: tuple[TokenLogprob, ...] = ()
+        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: tuple[TokenLogprob, ...] = ()
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(logprobs) if logprobs else None,
                                   "finish_reason": finish_reason}

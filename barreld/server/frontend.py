@@ -17,6 +17,7 @@ from barreld.engine.grammar import JSON_OBJECT, schema_grammar
 from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed, Started, Token
 from barreld.engine.sampling import SamplingParams, check_logprobs
+from barreld.engine.tools import ToolSpec
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
 from barreld.names import MODEL_NAME_MAX
 
@@ -69,6 +70,7 @@ def completion_params(
     stop: Sequence[str] = (),
     parent_key: str = "",
     chat_template: str | None = None,
+    tools: ToolSpec | None = None,
 ) -> CompletionParams:
     """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one
     (the sampler's were checked when `sampling` was made)."""
@@ -92,6 +94,7 @@ def completion_params(
         logprobs=logprobs,
         stop=stops,
         parent_key=parse_key(parent_key, "parent key") if parent_key else None,
+        tools=tools,
     )
 
 

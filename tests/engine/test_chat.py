@@ -85,3 +85,9 @@ def test_a_request_template_serves_a_model_without_one(engine: Engine) -> None:
         assert reply.done.finish_reason in ("stop", "length")
     finally:
         type(engine.backend()).chat_template = CHAT_TEMPLATE
+
+
+def test_a_configured_template_replaces_the_models_own(engine: Engine) -> None:
+    engine.load("t", chat_template="<<{{ messages[0].content }}>>")
+    chat = engine.run(b"hi there", name="t", chat=True)
+    assert chat.done.prompt_key == engine.run(b"<<hi there>>", name="t").done.prompt_key

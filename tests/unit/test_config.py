@@ -177,6 +177,12 @@ def test_a_models_aliases_are_read(tmp_path: Path) -> None:
     assert [m.aliases for m in config.models] == [("claude-*", "gpt-4o"), ()]
 
 
+def test_a_models_chat_template_is_read_from_its_file_beside_the_config(tmp_path: Path) -> None:
+    (tmp_path / "gemma.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    config = load(tmp_path, "[[models]]\nname = 'smollm2'\nchat_template = 'gemma.jinja'\n")
+    assert config.models[0].knobs()["chat_template"].startswith("{% for m in messages %}")
+
+
 def test_config_is_frozen(tmp_path: Path) -> None:
     config = load(tmp_path, CONTRACT_EXAMPLE)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -234,6 +240,7 @@ BAD = [
     ("[[models]]\nname = 'smollm2'\naliases = 'claude-*'", "models[0].aliases", "array of glob patterns"),
     ("[[models]]\nname = 'smollm2'\naliases = ['claude *']", "models[0].aliases", "bad alias 'claude *'"),
     ("[[models]]\nname = 'smollm2'\naliases = [1]", "models[0].aliases", "expected a string"),
+    ("[[models]]\nname = 'smollm2'\nchat_template = 'none.jinja'", "models[0].chat_template", "cannot read"),
     ("[scheduler]\nevict_tiers = ['ram', 'gpu']", "scheduler.evict_tiers", "unknown tier 'gpu'"),
     ("[scheduler]\nevict_tiers = []", "scheduler.evict_tiers", "non-empty list"),
     ("[scheduler]\nevict_tiers = 'ram'", "scheduler.evict_tiers", "non-empty list"),

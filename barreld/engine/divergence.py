@@ -1,0 +1,51 @@
+"""Why a miss missed: how far a prompt matched the closest text the model's live sequences hold, and the
+bytes on each side of the first difference, so a user sees the timestamp in a system prompt, or the client
+that rewrote an old turn, instead of a bare miss. Pure: bytes in, a report out.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+SHOWN_BYTES = 48  # of each side of the first difference
+
+
+@dataclass(frozen=True)
+class Divergence:
+    matched_tokens: int  # whole tokens of the prompt the closest cached text shares
+    matched_bytes: int
+    cached: bytes  # the closest text's bytes from the first difference (empty: the prompt runs on past it)
+    prompt: bytes  # the prompt's bytes from the first difference
+
+
+def divergence(rendered: bytes, offsets: list[int], texts: Iterable[bytes]) -> Divergence | None:
+    """The report against the text among `texts` that shares the longest prefix with `rendered`; `offsets[i]`
+    is the length in bytes of the prompt's first i tokens. None when nothing is held."""
+    best: tuple[int, bytes] | None = None
+    for text in texts:
+        n = common_prefix(rendered, text)
+        if best is None or n > best[0]:
+            best = (n, text)
+    if best is None:
+        return None
+    n, text = best
+    return Divergence(
+        matched_tokens=bisect.bisect_right(offsets, n) - 1,
+        matched_bytes=n,
+        cached=text[n : n + SHOWN_BYTES],
+        prompt=rendered[n : n + SHOWN_BYTES],
+    )
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """Bytes `a` and `b` share from the start, by halving: each step one comparison in C, not a Python loop."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -1,0 +1,250 @@
+"""Anthropic's Messages API shapes (/v1/messages, /v1/messages/count_tokens) as pure functions over dicts: the
+request body to the same ApiRequest the OpenAI routes run, the worker's events to a message document or to
+Anthropic's SSE events. Tool calls are found by the engine's parser (barreld.engine.tools), as for OpenAI.
+
+Fields that steer Anthropic's own service (cache_control, thinking, context_management, output_config,
+metadata, service_tier) are accepted and ignored: Barrel caches every prompt. `max_tokens` above the context
+is a cap. `usage.input_tokens` counts the tokens prefilled; `cache_read_input_tokens` those restored. Barrel's own
+report (`barrel`: route, tier, keys, timings, why a miss missed) rides beside, as on the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from barreld.engine.chat import MAX_MESSAGES, Message, check_tool_history
+from barreld.engine.request import Done, Started, Token
+from barreld.engine.tools import CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
+from barreld.errors import InvalidArgument
+from barreld.http.openai import ApiRequest, Body, barrel_doc, sampling, stop_strings, utf8
+
+ROLES = ("user", "assistant", "system")  # Claude Code sends system turns inside messages
+CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {type: tool, name}: that tool
+UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+IGNORED_BLOCKS = ("thinking", "redacted_thinking")
+PING = b'event: ping\ndata: {"type":"ping"}\n\n'
+# An HTTP status -> Anthropic's error type.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_doc(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> ApiRequest:
+    """A Messages request as Barrel runs it; count_tokens sends no max_tokens."""
+    body = Body(doc)
+    max_tokens = body.get("max_tokens", int, "an integer")
+    if max_tokens is None and not counting:
+        raise InvalidArgument("max_tokens is missing; send the most tokens the reply may have")
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be at least 1, got {max_tokens}")
+    model = body.get("model", str, "a string")
+    if not model:
+        raise InvalidArgument("model is missing; send a model's name or one of its aliases")
+    return ApiRequest(
+        chat=True,
+        model=model,
+        stream=bool(body.get("stream", bool, "true or false")),
+        include_usage=False,
+        prompt=b"",
+        messages=messages_of(body),
+        max_tokens=max_tokens,
+        sampling=sampling(body),
+        constraint=("", None, False),
+        logprobs=None,
+        stop=stop_strings(body, "stop_sequences"),
+        parent_key="",
+        tools=tools_of(body),
+        capped=True,
+    )
+
+
+def messages_of(body: Body) -> tuple[Message, ...]:
+    """`system` (a string or text blocks), then each message's blocks as Barrel's messages: a user turn's
+    tool_result blocks become tool messages, an assistant's tool_use blocks its tool calls."""
+    items = body.get("messages", list, "a list of messages")
+    if not items:
+        raise InvalidArgument("messages is missing or empty; send at least one message")
+    if len(items) > MAX_MESSAGES:
+        raise InvalidArgument(f"too many messages; at most {MAX_MESSAGES}")
+    system = doc_text(body.doc.get("system"), "system") if body.doc.get("system") is not None else ""
+    out = [Message("system", system)] if system else []
+    for i, m in enumerate(items):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise InvalidArgument(f"messages[{i}] must be {{role: user or assistant, content}}")
+        out += _turn(f"messages[{i}]", m["role"], m.get("content"))
+    check_tool_history(out)
+    return tuple(out)
+
+
+def _turn(where: str, role: str, content: object) -> list[Message]:
+    if isinstance(content, str):
+        return [Message(role, utf8(content, f"{where}.content").decode())]
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{where}.content must be a string or a list of content blocks")
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    results: list[Message] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(doc_text([block], at))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            results.append(Message("tool", doc_text(block.get("content") or "", f"{at}.content"), (),
+                                   _string(block, "tool_use_id", at)))
+        elif kind in UNSUPPORTED_BLOCKS:
+            raise InvalidArgument(f"{at}: {kind} blocks are not supported; Barrel serves text-only models")
+        elif kind not in IGNORED_BLOCKS:
+            raise InvalidArgument(f"{at}: a {role} message cannot hold a block of type {str(kind)[:40]!r}")
+    turn = [Message(role, "\n\n".join(texts), tuple(calls))] if texts or calls or not results else []
+    return results + turn
+
+
+def _tool_use(block: dict, at: str) -> ToolCall:
+    given = block.get("input")
+    if not isinstance(given, dict):
+        raise InvalidArgument(f"{at}.input must be an object")
+    return ToolCall(_string(block, "id", at), _string(block, "name", at), json.dumps(given, ensure_ascii=False))
+
+
+def _string(block: dict, name: str, at: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{at}.{name} must be a non-empty string")
+    return value
+
+
+def doc_text(value: object, where: str) -> str:
+    """A string, or text blocks joined by blank lines (their cache_control ignored)."""
+    if isinstance(value, str):
+        return utf8(value, where).decode()
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{where} must be a string or a list of text blocks")
+    texts = []
+    for j, block in enumerate(value):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in UNSUPPORTED_BLOCKS:
+            raise InvalidArgument(f"{where}[{j}]: {kind} blocks are not supported; Barrel serves text-only models")
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise InvalidArgument(f"{where}[{j}] must be a text block {{type: text, text}}")
+        texts.append(utf8(block["text"], f"{where}[{j}].text").decode())
+    return "\n\n".join(texts)
+
+
+def tools_of(body: Body) -> ToolSpec | None:
+    """Anthropic's tools ({name, description, input_schema}) and tool_choice."""
+    tools = []
+    for i, t in enumerate(body.get("tools", list, "a list of tools") or []):
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
+            raise InvalidArgument(f"tools[{i}] must be a custom tool {{name, description, input_schema}}")
+        tools.append(tool(t.get("name"), t.get("description"), t["input_schema"], f"tools[{i}]"))
+    choice = body.get("tool_choice", dict, "an object {type: auto, any, tool or none}") or {"type": "auto"}
+    kind = choice.get("type")
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise InvalidArgument("tool_choice {type: tool} needs the tool's name")
+    elif kind in CHOICES:
+        name = CHOICES[kind]
+    else:
+        raise InvalidArgument(f"tool_choice.type must be auto, any, tool or none, got {str(kind)[:40]!r}")
+    return tool_spec(tools, name, choice.get("disable_parallel_tool_use") is not True)
+
+
+def usage(prompt_tokens: int, restored: int, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": prompt_tokens - restored, "output_tokens": output_tokens,
+            "cache_read_input_tokens": restored, "cache_creation_input_tokens": 0}
+
+
+def event(name: str, doc: dict[str, Any]) -> bytes:
+    data = json.dumps({"type": name, **doc}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n".encode()
+
+
+def _tool_block(c: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+
+
+class MessagesReply:
+    """Shapes one request's events as Anthropic's message, whole or as SSE events: a text block while text
+    comes, then one tool_use block per call (its input as one input_json_delta)."""
+
+    def __init__(self, req: ApiRequest, model: str) -> None:
+        self.req = req
+        self.model = model
+        self.id = "msg_" + secrets.token_hex(12)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._calls = CallStream(req.tools) if req.tools is not None else None
+        self._blocks = 0  # content blocks opened
+        self._text_open = False
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
+
+    def stop(self, done: Done, calls: tuple[ToolCall, ...]) -> dict[str, Any]:
+        if calls:
+            return {"stop_reason": "tool_use", "stop_sequence": None}
+        if done.stop:
+            return {"stop_reason": "stop_sequence", "stop_sequence": done.stop.decode("utf-8", "replace")}
+        return {"stop_reason": "max_tokens" if done.finish_reason == "length" else "end_turn", "stop_sequence": None}
+
+    def document(self, done: Done) -> dict[str, Any]:
+        text = done.text.decode("utf-8", "replace")
+        text, calls = split_calls(text, self.req.tools) if self.req.tools is not None else (text, ())
+        content = [{"type": "text", "text": text}] if text or not calls else []
+        return {**self._head(), "content": content + [_tool_block(c) for c in calls], **self.stop(done, calls),
+                "usage": usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens),
+                "barrel": barrel_doc(done)}
+
+    def events(self, ev: Started | Token | Done) -> list[bytes]:
+        if isinstance(ev, Started):
+            message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
+                       "usage": usage(ev.prompt_tokens, ev.cache.restored_tokens, 0)}
+            return [event("message_start", {"message": message})]
+        if isinstance(ev, Token):
+            text = self._decoder.decode(ev.text)
+            return self._text(self._calls.feed(text) if self._calls is not None else text)
+        return self._end(ev)
+
+    def _text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = []
+        if not self._text_open:
+            self._text_open = True
+            out.append(event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+            self._blocks = 1
+        out.append(event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}))
+        return out
+
+    def _end(self, done: Done) -> list[bytes]:
+        rest = self._decoder.decode(b"", final=True)
+        calls: tuple[ToolCall, ...] = ()
+        if self._calls is not None:
+            rest = self._calls.feed(rest)
+            tail, calls = self._calls.finish()
+            rest += tail
+        out = self._text(rest)
+        if self._text_open:
+            out.append(event("content_block_stop", {"index": 0}))
+        for c in calls:
+            i, self._blocks = self._blocks, self._blocks + 1
+            out.append(event("content_block_start", {"index": i, "content_block": {**_tool_block(c), "input": {}}}))
+            out.append(event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
+                                                                            "partial_json": c.arguments}}))
+            out.append(event("content_block_stop", {"index": i}))
+        counts = usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens)
+        out.append(event("message_delta", {"delta": self.stop(done, calls), "usage": counts,
+                                           "barrel": barrel_doc(done)}))
+        out.append(event("message_stop", {}))
+        return out
