@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from barrelctl.errors import ClientError, DaemonDied
 from barreld.deaths import find_death
 from barreld.engine.chat import Message
+from barreld.engine.divergence import Divergence
 from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir
 
 if TYPE_CHECKING:
@@ -158,6 +159,14 @@ class Completion:
     client_ttft_ms: float  # the call to its first token (to its end when no token carried text)
     client_total_ms: float
     logprobs: tuple[Any, ...] = ()  # pb.TokenLogprob per token of the text, when asked for
+    divergence: Divergence | None = None  # on a miss or partial hit: where the prompt stopped matching
+
+
+def _divergence(cache: pb.CacheInfo) -> Divergence | None:
+    if not cache.HasField("divergence"):
+        return None
+    d = cache.divergence
+    return Divergence(d.matched_tokens, d.matched_bytes, d.cached, d.prompt)
 
 
 class CompletionStream:
@@ -206,6 +215,7 @@ class CompletionStream:
             client_ttft_ms=((self._first or end) - self._t0) * 1000,
             client_total_ms=(end - self._t0) * 1000,
             logprobs=tuple(done.logprobs),
+            divergence=_divergence(c),
         )
 
     def result(self) -> Completion:

@@ -58,7 +58,7 @@ def test_greedy_is_deterministic_and_json_has_the_contract_shape(served: Sandbox
     assert doc["model"] == "smollm2"
     assert doc["finish_reason"] in ("stop", "length")
     assert len(doc["key"]) == 64 and len(doc["prompt_key"]) == 64
-    assert set(doc["cache"]) == {"path", "restored_tokens", "prefilled_tokens", "tier"}
+    assert set(doc["cache"]) - {"divergence"} == {"path", "restored_tokens", "prefilled_tokens", "tier"}
     assert doc["cache"]["path"] in ("miss", "live", "exact", "resume", "longest_prefix")
     assert doc["tokens"]["prompt"] == doc["cache"]["restored_tokens"] + doc["cache"]["prefilled_tokens"]
     assert doc["tokens"]["completion"] >= 1
@@ -67,6 +67,19 @@ def test_greedy_is_deterministic_and_json_has_the_contract_shape(served: Sandbox
     assert 0 < t["ttft"] <= t["total"]
     # --json after the command works as well as before it.
     assert served.ctl(*args, "--json").json()["text"] == doc["text"]
+
+
+def test_json_says_where_a_missed_prompt_stopped_matching_the_held_text(served: Sandbox) -> None:
+    head = "Meeting notes, written at 09:14 by the harbour master, say that "
+    body = "the river rose over the stone garden wall and the lantern by the window went out. " * 3
+    assert served.ctl("complete", head + body, "--max-tokens", "2").rc == 0
+    moved = served.ctl("--json", "complete", head.replace("09:14", "09:15") + body, "--max-tokens", "2")
+    assert moved.rc == 0, moved.err
+    cache = moved.json()["cache"]
+    d = cache["divergence"]
+    assert d["cached"].startswith("4 by the harbour") and d["prompt"].startswith("5 by the harbour"), d
+    assert head.index("4 by") <= d["matched_bytes"] <= head.index("4 by") + 8  # BOS's text may come first
+    assert d["matched_tokens"] > 0 and cache["restored_tokens"] <= d["matched_tokens"]
 
 
 def test_seeded_sampling_repeats_and_chat_uses_the_template(served: Sandbox) -> None:

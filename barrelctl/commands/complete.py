@@ -51,6 +51,7 @@ def done_json(done: Completion) -> dict:
             "restored_tokens": done.restored,
             "prefilled_tokens": done.prefilled,
             "tier": done.tier,
+            **({"divergence": done.divergence.doc()} if done.divergence else {}),
         },
         "tokens": {"prompt": done.prompt_tokens, "completion": done.completion_tokens},
         "timings_ms": dict(done.timings_ms),

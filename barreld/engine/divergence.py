@@ -19,6 +19,11 @@ class Divergence:
     cached: bytes  # the closest text's bytes from the first difference (empty: the prompt runs on past it)
     prompt: bytes  # the prompt's bytes from the first difference
 
+    def doc(self) -> dict[str, int | str]:
+        """The report as the HTTP API and `barrelctl --json` show it: both sides as text."""
+        return {"matched_tokens": self.matched_tokens, "matched_bytes": self.matched_bytes,
+                "cached": self.cached.decode("utf-8", "replace"), "prompt": self.prompt.decode("utf-8", "replace")}
+
 
 def divergence(rendered: bytes, offsets: list[int], texts: Iterable[bytes]) -> Divergence | None:
     """The report against the text among `texts` that shares the longest prefix with `rendered`; `offsets[i]`

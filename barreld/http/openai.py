@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from barreld.engine.chat import Message, messages_from
-from barreld.engine.divergence import Divergence
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.sampling import SamplingParams
 from barreld.engine.tools import CHOICES, CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
@@ -281,18 +280,12 @@ def barrel_doc(done: Done) -> dict[str, Any]:
             "restored_tokens": c.restored_tokens,
             "prefilled_tokens": c.prefilled_tokens,
             "tier": c.tier,
-            **({} if c.divergence is None else {"divergence": divergence_doc(c.divergence)}),
+            **({} if c.divergence is None else {"divergence": c.divergence.doc()}),
         },
         "key": done.key.hex(),
         "prompt_key": done.prompt_key.hex(),
         "timings_ms": dataclasses.asdict(done.timings),
     }
-
-
-def divergence_doc(d: Divergence) -> dict[str, Any]:
-    """Where the prompt stopped matching the closest text the cache held, both sides shown as text."""
-    return {"matched_tokens": d.matched_tokens, "matched_bytes": d.matched_bytes,
-            "cached": d.cached.decode("utf-8", "replace"), "prompt": d.prompt.decode("utf-8", "replace")}
 
 
 def _call_doc(c: ToolCall) -> dict[str, Any]:

@@ -96,16 +96,30 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
-    __slots__ = ("path", "restored_tokens", "prefilled_tokens", "tier")
+    __slots__ = ("path", "restored_tokens", "prefilled_tokens", "tier", "divergence")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
     path: str
     restored_tokens: int
     prefilled_tokens: int
     tier: str
-    def __init__(self, path: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    divergence: Divergence
+    def __init__(self, path: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., divergence: _Optional[_Union[Divergence, _Mapping]] = ...) -> None: ...
+
+class Divergence(_message.Message):
+    __slots__ = ("matched_tokens", "matched_bytes", "cached", "prompt")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    matched_bytes: int
+    cached: bytes
+    prompt: bytes
+    def __init__(self, matched_tokens: _Optional[int] = ..., matched_bytes: _Optional[int] = ..., cached: _Optional[bytes] = ..., prompt: _Optional[bytes] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("lookup", "restore", "prefill", "ttft", "total")

@@ -153,8 +153,11 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
 
 
 def cache_info(c) -> pb.CacheInfo:
+    d = c.divergence
     return pb.CacheInfo(
-        path=c.route.value, restored_tokens=c.restored_tokens, prefilled_tokens=c.prefilled_tokens, tier=c.tier or ""
+        path=c.route.value, restored_tokens=c.restored_tokens, prefilled_tokens=c.prefilled_tokens, tier=c.tier or "",
+        divergence=None if d is None else pb.Divergence(matched_tokens=d.matched_tokens, matched_bytes=d.matched_bytes,
+                                                        cached=d.cached, prompt=d.prompt),
     )
 
 
