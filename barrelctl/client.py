@@ -23,7 +23,7 @@ from barrelctl.errors import ClientError, DaemonDied
 from barreld.deaths import find_death
 from barreld.engine.chat import Message
 from barreld.engine.divergence import Divergence
-from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir
+from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir, socket_answers
 
 if TYPE_CHECKING:
     import grpc
@@ -68,18 +68,10 @@ def forbidden(path: Path) -> ClientError | None:
 def _answers(path: Path, timeout: float = 5.0) -> bool:
     """Whether a daemon answers on path. A socket nobody listens on refuses at once, so only a live daemon
     is given `timeout` to answer: a busy machine can keep one from answering within a second."""
-    import socket as socketlib
-
     import grpc
 
-    if not os.access(path, os.F_OK) or forbidden(path) is not None:
+    if not os.access(path, os.F_OK) or forbidden(path) is not None or not socket_answers(path):
         return False
-    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(path))
-        except OSError:  # refused: a stale socket file; a timeout: a backlog no daemon drains
-            return False
     channel = grpc.insecure_channel(f"unix:{path}")
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)

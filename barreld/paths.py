@@ -7,6 +7,7 @@ unit passes --socket /run/barrel/barreld.sock and --data-dir /var/lib/barrel exp
 from __future__ import annotations
 
 import os
+import socket as socketlib
 from pathlib import Path
 
 SOCKET_ENV = "BARREL_SOCKET"
@@ -29,3 +30,17 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
+
+
+def socket_answers(path: Path) -> bool:
+    """Whether something accepts connections on path (a live daemon) rather than a stale file, which
+    refuses at once."""
+    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

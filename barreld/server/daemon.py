@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from barreld.paths import private_dir
+from barreld.paths import private_dir, socket_answers
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 
@@ -61,19 +61,6 @@ class DataDirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def socket_answers(path: Path) -> bool:
-    """Whether something accepts connections on path (a live daemon) rather than a stale file."""
-    s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def prepare_socket(path: Path, group: int | None = None) -> None:
