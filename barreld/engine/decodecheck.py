@@ -49,17 +49,15 @@ DEFAULT_ISA = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), 
 
 def cpu_identity() -> tuple[str, frozenset[str]]:
     """The CPU's model name and feature flags, as the kernel lists them for the first processor."""
-    name, flags = platform.processor() or platform.machine(), frozenset()
+    fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block ends
             key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and name in (platform.processor(), platform.machine()):
-                name = value.strip()
-            elif key in ("flags", "Features"):
-                flags = frozenset(value.split())
-                break
-    return name, flags
+            fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags") or fields.get("Features") or ""
+    return fields.get("model name") or platform.machine(), frozenset(flags.split())
 
 
 def cmake_args(flags: frozenset[str]) -> str:
