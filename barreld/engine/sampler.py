@@ -60,6 +60,9 @@ class Sampler:
         self._ptr = self._data.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
         self._one = (L.llama_token_data * 1)()
         self._arr = L.llama_token_data_array(self._ptr, n_vocab, -1, False)
+        # Plain greedy, the default: the chain's greedy stage takes the first largest logit, as argmax does,
+        # without copying the vocabulary into llama.cpp's array for every token.
+        self._argmax = params.temperature == 0 and not (params.logit_bias or params.penalised or params.grammar)
 
     @property
     def constrained(self) -> bool:
@@ -114,6 +117,8 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         """The next token; the chain and the grammar are told of it. InvalidArgument when the grammar
         allows no token at all here."""
+        if self._argmax:
+            return int(np.argmax(logits))
         token = self._draw(logits, grammar_first=False)
         if self._grammar is not None:
             if not self._allows(token):
