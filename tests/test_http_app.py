@@ -389,6 +389,8 @@ def test_metrics_count_requests_tokens_hits_and_tiers(healthy: Served) -> None:
         ({"model": "m", "prompt": "x", "frequency_penalty": -3}, ["bad frequency_penalty"]),
         ({"model": "m", "prompt": "x", "seed": 2**64}, ["bad seed"]),
         ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, ["bad logit_bias key 'a'"]),
+        ({"model": "m", "prompt": "x", "logit_bias": {"\u00b2": 1}}, ["bad logit_bias key '\u00b2'"]),
+        ({"model": "m", "prompt": "x", "logit_bias": {"9" * 5000: 1}}, ["bad logit_bias key '99999"]),
         ({"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, ["bad logit_bias[5]"]),
         ({"model": "m", "prompt": "x", "logit_bias": {"5": "up"}}, ["bad logit_bias[5]"]),
         ({"model": "m", "prompt": "x", "logit_bias": {"99999": -100}}, ["bad logit_bias key 99999"]),

@@ -168,7 +168,7 @@ def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
     bias = body.get("logit_bias", dict, "an object mapping token ids to numbers") or {}
     out = []
     for key, value in bias.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise InvalidArgument(f"bad logit_bias key {key[:40]!r}: expected a token id (a whole number)")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidArgument(f"bad logit_bias[{key}]: expected a number from -100 to 100")
