@@ -25,7 +25,7 @@ class Divergence:
                 "cached": self.cached.decode("utf-8", "replace"), "prompt": self.prompt.decode("utf-8", "replace")}
 
 
-def divergence(rendered: bytes, offsets: list[int], texts: Iterable[bytes]) -> Divergence | None:
+def divergence(rendered: bytes, offsets: list[int], texts: Iterable[bytes | bytearray]) -> Divergence | None:
     """The report against the text among `texts` that shares the longest prefix with `rendered`; `offsets[i]`
     is the length in bytes of the prompt's first i tokens. None when nothing is held."""
     best: tuple[int, bytes] | None = None
@@ -39,18 +39,20 @@ def divergence(rendered: bytes, offsets: list[int], texts: Iterable[bytes]) -> D
     return Divergence(
         matched_tokens=bisect.bisect_right(offsets, n) - 1,
         matched_bytes=n,
-        cached=text[n : n + SHOWN_BYTES],
+        cached=bytes(text[n : n + SHOWN_BYTES]),
         prompt=rendered[n : n + SHOWN_BYTES],
     )
 
 
-def common_prefix(a: bytes, b: bytes) -> int:
-    """Bytes `a` and `b` share from the start, by halving: each step one comparison in C, not a Python loop."""
+def common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    """Bytes `a` and `b` share from the start, by halving: each step one comparison in C over views (no
+    copies: it runs on the model's thread), not a Python loop."""
     low, high = 0, min(len(a), len(b))
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
+    with memoryview(a) as va, memoryview(b) as vb:  # released at once: a live bytearray must stay resizable
+        while low < high:
+            mid = (low + high + 1) // 2
+            if va[:mid] == vb[:mid]:
+                low = mid
+            else:
+                high = mid - 1
     return low

@@ -173,7 +173,7 @@ class ModelWorker:
         idle = [s for s in self.seqs if s.idle]
         found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
-        held = (bytes(s.rendered) for s in self.seqs if s.tokens)
+        held = (s.rendered for s in self.seqs if s.tokens)
         closest = divergence(rendered, offsets, held) if found.tokens < len(tokens) else None
         seq = found.seq if found.seq is not None else self._claim(idle)
         req.target = tokens
