@@ -167,6 +167,19 @@ def test_tiny_maxmemory_with_lru_evicts_while_barrel_writes(host: Host, redis_se
     assert all(a.lookup(c.key) is not None for c in ckpts) and a.check() == []
 
 
+def test_evict_takes_the_least_recently_used_row_first(host: Host, redis_server: RedisServer) -> None:
+    """Redis's idle clock decides the order; reading the rows to list them must not reset it first."""
+    a = host("a")
+    ckpts = [make_ckpt(b"lru row %d" % i, 10_000) for i in range(3)]
+    for c in ckpts:
+        publish(a, c)
+    time.sleep(2.2)  # Redis keeps idle time in whole seconds
+    redis_server.admin().get(a.remote.store.name(Ref(ROW_KIND, ckpts[0].key)))  # the oldest row, read again
+    assert a.remote.evict(1)[0] == 1
+    left = {r["key"] for r in a.remote.dump()}
+    assert left == {ckpts[0].key.hex(), ckpts[2].key.hex()}  # the second row was the least recently used
+
+
 def test_dump_evict_and_gc_act_on_barrels_keys_only(host: Host, redis_server: RedisServer) -> None:
     a = host("a")
     admin = redis_server.admin()

@@ -71,6 +71,7 @@ class RemoteObject(NamedTuple):
     tag: bytes
     key: bytes
     size: int
+    idle_s: int | None = None  # since last read or written, by Redis's clock; None under an LFU policy
 
 
 def error_kind(exc: BaseException) -> str:
@@ -295,15 +296,6 @@ class RedisStore:
         replies = self._round_trip("delete", lambda p: [p.delete(n) for n in names])
         return None if replies is None else sum(r == 1 for r in replies)
 
-    def idle_seconds(self, refs: Sequence[Ref]) -> list[int | None]:
-        """How long since each object was last read or written, by Redis's own clock (OBJECT IDLETIME):
-        None for one that is gone, or when the server keeps frequencies instead (an LFU policy)."""
-        names = [self._name(*ref) for ref in refs]
-        if not names:
-            return []
-        replies = self._round_trip("scan", lambda p: [p.object("idletime", n) for n in names])
-        return [r if isinstance(r, int) else None for r in replies or [None] * len(names)]
-
     def _write(self, items: Sequence[tuple[str, bytes, Buffer | list[Buffer]]], tag: bytes | None) -> bool:
         """SET every item in one round trip; True only when Redis acknowledged them all."""
         if not items:
@@ -328,8 +320,9 @@ class RedisStore:
     def scan(self, kind: str | None = None) -> list[RemoteObject] | None:
         """Barrel's objects (of one kind, or all) under this prefix; None when Redis could not be read whole.
 
-        SCAN visits the whole keyspace in steps and filters by pattern on the server; each step's sizes
-        come from one pipelined STRLEN round trip. Keys under the prefix that Barrel did not name are left out.
+        SCAN visits the whole keyspace in steps and filters by pattern on the server; each step's idle times
+        and sizes come from one pipelined round trip, OBJECT IDLETIME before STRLEN (which resets the idle
+        clock, as any read does). Keys under the prefix that Barrel did not name are left out.
         """
         if kind is not None:
             self._check_kind(kind)
@@ -340,13 +333,16 @@ class RedisStore:
                 return None
             parsed = [(n, _NAME.fullmatch(n[len(self._prefix) :])) for n in names]
             parsed = [(n, m) for n, m in parsed if m is not None]
-            sizes = self._round_trip("scan", lambda p, these=parsed: [p.strlen(n) for n, _ in these]) if parsed else []
-            if sizes is None:
+            replies = self._round_trip(
+                "scan", lambda p, these=parsed: [(p.object("idletime", n), p.strlen(n)) for n, _ in these]
+            ) if parsed else []
+            if replies is None:
                 return None
-            for (_, m), size in zip(parsed, sizes, strict=True):
+            for (_, m), idle, size in zip(parsed, replies[::2], replies[1::2], strict=True):
                 if isinstance(size, int) and size:  # 0: deleted between the two round trips
+                    idle_s = idle if isinstance(idle, int) else None
                     found.append(RemoteObject(m[2].decode(), bytes.fromhex(m[1].decode()),
-                                              bytes.fromhex(m[3].decode()), size))
+                                              bytes.fromhex(m[3].decode()), size, idle_s))
         return found
 
     def _scan_names(self, pattern: bytes) -> Iterator[list[bytes] | None]:

@@ -416,14 +416,13 @@ class RemoteTier:
         for batch in _batches(rows, BATCH):
             refs = [Ref(ROW_KIND, o.key) for o in batch]
             values = self.store.fetch_refs(refs)
-            idle = self.store.idle_seconds(refs)
-            for obj, (raw, _), idle_s in zip(batch, values, idle, strict=True):
+            for obj, (raw, _) in zip(batch, values, strict=True):
                 try:
                     info, aliases = _decode_row(raw, obj.key) if raw is not None else (None, [])
                 except (ValueError, KeyError, TypeError):
                     info = None  # a damaged value; gc removes it
                 if info is not None:
-                    listed.append(_Listed(obj, info, aliases, idle_s))
+                    listed.append(_Listed(obj, info, aliases, obj.idle_s))
         return listed
 
     # ---- counters -----------------------------------------------------------------------------
