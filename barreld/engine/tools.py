@@ -23,6 +23,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_TOOLS = 128
 CHOICES = ("auto", "none", "required")  # and a tool's name: that tool must be called
 MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")  # text that starts a call, by family
+LONGEST_MARKER = max(map(len, MARKERS))
 SKIPPED = (*MARKERS, "</tool_call>", ";", ",", "[", "]")  # between calls
 ARGS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 GENERIC_INTRO = (
@@ -192,11 +193,17 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def marker_at(text: str, start: int = 0) -> int | None:
+    """Where the first family's marker at or after `start` begins."""
+    found = [i for i in (text.find(m, start) for m in MARKERS) if i >= 0]
+    return min(found) if found else None
+
+
 def call_start(text: str) -> int | None:
     """Where a tool call begins in a reply: a family's marker, or a reply that opens with a JSON object."""
-    found = [i for i in (text.find(m) for m in MARKERS) if i >= 0]
-    if found:
-        return min(found)
+    at = marker_at(text)
+    if at is not None:
+        return at
     body = text.lstrip()
     return len(text) - len(body) if body.startswith("{") else None
 
@@ -285,12 +292,15 @@ class CallStream:
         self.text += piece
         if self._calling or not self.spec.parses:
             return "" if self._calling else self._show(len(self.text))
-        at = call_start(self.text)
+        if self._shown == 0:  # nothing shown yet: the text is short (spaces, the start of a marker)
+            at = call_start(self.text)
+            if at is None and not self.text.strip():
+                return ""
+        else:  # text was shown, so the reply did not open with "{": only a marker not yet shown can start a call
+            at = marker_at(self.text, max(0, self._shown - LONGEST_MARKER + 1))
         if at is not None:
             self._calling = True
             return self._show(at)
-        if not self.text.strip():
-            return ""
         return self._show(len(self.text) - _held(self.text))
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
