@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from barrelctl.errors import EXIT_USAGE, CliError
-from barreld.engine.sampling import SamplingParams
+from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.errors import InvalidArgument
 
 SPECS: tuple[tuple[str, Any, str | None, str], ...] = (  # name, type, metavar, help
@@ -37,8 +37,7 @@ OPTIONS = {
                                               show_default=False)]
     for name, kind, metavar, text in SPECS
 }
-NUMERIC = tuple(OPTIONS)[:8]
-_FIELD = re.compile(r"\bbad (" + "|".join(NUMERIC) + r"|logit_bias|temperature|seed)\b")
+_FIELD = re.compile(r"\bbad (" + "|".join(KNOBS) + r"|logit_bias|temperature|seed)\b")
 
 
 def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> None:
@@ -70,7 +69,7 @@ def with_sampling(command: Callable[..., None]) -> Callable[..., None]:
 
 def sampling_request(temperature: float, seed: int | None, given: dict[str, Any]) -> dict[str, Any]:
     """The Sampling message's fields for the options given; CliError (exit 2) names the first bad one."""
-    fields = {k: given[k] for k in NUMERIC if given.get(k) is not None}
+    fields = {k: given[k] for k in KNOBS if given.get(k) is not None}
     logit_bias = dict(_bias(item) for item in given.get("logit_bias") or ())
     json_schema, grammar = given.get("json_schema"), given.get("grammar")
     if grammar is not None:
@@ -79,7 +78,7 @@ def sampling_request(temperature: float, seed: int | None, given: dict[str, Any]
         fields["json_schema"] = _read(json_schema, "--json-schema")
     try:
         SamplingParams(temperature=temperature, seed=seed, logit_bias=tuple(logit_bias.items()),
-                       **{k: v for k, v in fields.items() if k in NUMERIC})
+                       **{k: v for k, v in fields.items() if k in KNOBS})
         if json_schema is not None and grammar is not None:
             raise InvalidArgument("pass either --json-schema or --grammar, not both")
         if json_schema is not None:

@@ -9,7 +9,7 @@ distribution is sampled unless a cut is asked for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from barreld.errors import InvalidArgument
 
@@ -23,6 +23,7 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_GRAMMAR = 256 << 10  # characters of GBNF (a large JSON schema converts to tens of KiB)
 DEFAULT_REPEAT_LAST_N = 64
 MAX_REPEAT_LAST_N = 1 << 20  # llama.cpp keeps a ring of this many tokens
+MAX_TOP_K = (1 << 31) - 1  # llama.cpp's top-k is a C int
 
 
 def _bad(name: str, value: object, expected: str) -> InvalidArgument:
@@ -62,8 +63,8 @@ class SamplingParams:
         _number("temperature", self.temperature, 0, MAX_TEMPERATURE)
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise _bad("seed", self.seed, "a whole number from 0 to 2**64 - 1")
-        if self.top_k < 0:
-            raise _bad("top_k", self.top_k, "a whole number >= 0 (0: off)")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise _bad("top_k", self.top_k, f"a whole number from 0 (off) to {MAX_TOP_K}")
         _fraction("top_p", self.top_p, low_open=True)
         _fraction("min_p", self.min_p, low_open=False)
         _fraction("typical_p", self.typical_p, low_open=True)
@@ -95,3 +96,12 @@ def check_logprobs(n: int | None) -> None:
     """None: no log probabilities; 0: the chosen token's only; N: N alternatives besides."""
     if n is not None and not 0 <= n <= MAX_LOGPROBS:
         raise _bad("logprobs", n, f"a whole number from 0 to {MAX_LOGPROBS}")
+
+
+# The knobs every front end passes through by name, with their types: all of SamplingParams but the ones
+# each front end spells its own way (OpenAI's defaults for temperature, seeds, bias maps, grammars).
+KNOBS: dict[str, type] = {
+    f.name: int if f.type == "int" else float
+    for f in fields(SamplingParams)
+    if f.name not in ("temperature", "seed", "logit_bias", "grammar")
+}

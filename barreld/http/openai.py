@@ -20,7 +20,7 @@ from typing import Any
 
 from barreld.engine.chat import Message, messages_from
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
-from barreld.engine.sampling import SamplingParams
+from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.engine.tools import CHOICES, CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
 from barreld.server.frontend import completion_params, constraint
@@ -146,10 +146,7 @@ def _tool_choice(body: Body) -> str:
 
 NUMBER = ((int, float), "a number")
 WHOLE = (int, "an integer")
-SAMPLING_FIELDS = {
-    "top_p": NUMBER, "min_p": NUMBER, "typical_p": NUMBER, "repeat_penalty": NUMBER, "presence_penalty": NUMBER,
-    "frequency_penalty": NUMBER, "top_k": WHOLE, "repeat_last_n": WHOLE,
-}
+SAMPLING_FIELDS = {name: WHOLE if kind is int else NUMBER for name, kind in KNOBS.items()}
 
 
 def sampling(body: Body) -> SamplingParams:

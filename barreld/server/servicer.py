@@ -17,7 +17,7 @@ import barreld
 from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
-from barreld.engine.sampling import SamplingParams
+from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES
 from barreld.rpc import barrel_pb2 as pb
@@ -95,10 +95,6 @@ def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
     )
 
 
-SAMPLING_FIELDS = ("top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                   "frequency_penalty")
-
-
 def grpc_sampling(req: pb.CompleteRequest) -> SamplingParams:
     """The sampler's settings: each field that is set, the rest at their defaults."""
     s = req.sampling
@@ -108,7 +104,7 @@ def grpc_sampling(req: pb.CompleteRequest) -> SamplingParams:
         seed=req.seed if req.HasField("seed") else None,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         grammar=constraint(s.grammar, schema, s.json_object),
-        **{name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)},
+        **{name: getattr(s, name) for name in KNOBS if s.HasField(name)},
     )
 
 

@@ -87,9 +87,9 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"top_p": 0}, {"top_p": 1.1}, {"top_k": -1}, {"min_p": 2}, {"typical_p": 0}, {"repeat_penalty": 0},
-     {"repeat_last_n": -1}, {"presence_penalty": 2.1}, {"frequency_penalty": float("nan")}, {"temperature": -1},
-     {"seed": -1}, {"logit_bias": ((-1, 1.0),)}, {"logit_bias": ((1, 101.0),)}],
+    [{"top_p": 0}, {"top_p": 1.1}, {"top_k": -1}, {"top_k": 2**32}, {"min_p": 2}, {"typical_p": 0},
+     {"repeat_penalty": 0}, {"repeat_last_n": -1}, {"presence_penalty": 2.1}, {"frequency_penalty": float("nan")},
+     {"temperature": -1}, {"seed": -1}, {"logit_bias": ((-1, 1.0),)}, {"logit_bias": ((1, 101.0),)}],
 )
 def test_each_bad_sampling_value_is_named(bad: dict) -> None:
     name = next(iter(bad))
