@@ -345,7 +345,10 @@ class Events:
         return item
 
     async def next_within(self, seconds: float) -> Started | Token | Done | None:
-        """The next event, or None when none came within `seconds` (nothing is lost: it waits queued)."""
+        """The next event, or None when none came within `seconds` (nothing is lost: it waits queued). An event
+        already queued is taken at once, without wait_for's task and timer, which most tokens would pay."""
+        if not self._queue.empty():
+            return await self.next()
         try:
             return await asyncio.wait_for(self.next(), seconds)
         except TimeoutError:
