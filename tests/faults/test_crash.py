@@ -31,6 +31,16 @@ def available(s) -> dict[str, pb.CacheRow]:
     return {r.key: r for r in rows(s) if r.status == "available"}
 
 
+def superseded(row: pb.CacheRow, present: list[pb.CacheRow]) -> bool:
+    """Whether a longer row of the same blocks may have taken `row`'s place: a row of blocks is dropped, its key
+    kept as an alias, once a later save of its sequence that extends it is published in the same tier. The
+    probe of each candidate prompt then shows the text still restores."""
+    return row.blocks > 0 and any(
+        r.model == row.model and r.tier == row.tier and r.tokens > row.tokens and r.blocks >= row.blocks
+        and r.frontier >= row.frontier for r in present
+    )
+
+
 def test_sigkill_at_random_moments_loses_nothing_published() -> None:
     rng = random.Random(20261129)
     candidates: list[tuple[bytes, bytes | None]] = []  # (prompt, its reply if seen) with a published checkpoint
@@ -55,9 +65,12 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
             t1 = time.monotonic()
             spent["start"] += t1 - t0
             assert util.counters(s)["corrupt_files"] == 0, f"life {life}: a published file was found damaged"
-            found = {r.key for r in util.assert_consistent(w, s)}
-            lost = [(k, r.tier, r.save_reason, r.tokens) for k, r in published.items() if k not in found]
+            present = util.assert_consistent(w, s)
+            found = {r.key for r in present}
+            lost = [(k, r.tier, r.save_reason, r.tokens) for k, r in published.items()
+                    if k not in found and not superseded(r, present)]
             assert not lost, f"life {life}: rows available before the kill are gone: {lost}"
+            tally["superseded_before_the_kill"] += sum(k not in found for k in published)
             if life % 10 == 0:  # the operator's command, too
                 v = w.ctl("--no-autostart", "--json", "cache", "verify")
                 assert v.rc == 0 and v.json()["bad"] == [], v.err
