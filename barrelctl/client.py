@@ -158,7 +158,7 @@ def _divergence(cache: pb.CacheInfo) -> Divergence | None:
     if not cache.HasField("divergence"):
         return None
     d = cache.divergence
-    return Divergence(d.matched_tokens, d.matched_bytes, d.cached, d.prompt)
+    return Divergence(d.matched_tokens, d.matched_bytes, d.cached, d.prompt, d.against)
 
 
 class CompletionStream:
@@ -271,17 +271,20 @@ class Client:
         chat_template: str = "",
         sampling: Mapping[str, Any] | None = None,
         logprobs: int | None = None,
+        explain: bool = False,
         timeout: float | None = None,
     ) -> CompletionStream:
         """Starts a completion of `prompt`, or of `messages` (then pass an empty prompt) rendered by the model's
         chat template or `chat_template`; None leaves max_tokens to the daemon's default and the sampler
-        unseeded. `sampling` holds the Sampling message's fields (top_k, ..., grammar, json_schema)."""
+        unseeded. `sampling` holds the Sampling message's fields (top_k, ..., grammar, json_schema). With
+        `explain`, nothing runs: the result says what would be restored and where the prompt left the closest
+        text held."""
         pb = _pb()
         request = pb.CompleteRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                      seed=seed, stop=list(stop), parent_key=parent_key, chat=chat,
                                      messages=[pb.Message(role=m.role, content=m.content) for m in messages],
                                      chat_template=chat_template, sampling=pb.Sampling(**(sampling or {})),
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, explain=explain)
         return CompletionStream(self._call("Complete", request, timeout), self.socket, model)
 
     def load(
@@ -302,6 +305,7 @@ class Client:
         type_v: str = "",
         swa_full: bool | None = None,
         aliases: Sequence[str] = (),
+        stop: Sequence[str] = (),
         timeout: float | None = None,
     ) -> pb.ModelInfo:
         """Loads a model under `name`; an empty, zero or None field takes the daemon's default."""
@@ -309,7 +313,8 @@ class Client:
                                    ("flash_attn", flash_attn), ("swa_full", swa_full)) if v is not None}
         request = _pb().LoadModelRequest(name=name, path=path, tier=tier, n_ctx=n_ctx, n_batch=n_batch,
                                          n_seq_max=n_seq_max, policy=dict(policy or {}), fingerprint=fingerprint,
-                                         type_k=type_k, type_v=type_v, aliases=list(aliases), **knobs)
+                                         type_k=type_k, type_v=type_v, aliases=list(aliases), stop=list(stop),
+                                         **knobs)
         return self._call("LoadModel", request, timeout)
 
     def unload(self, name: str, *, timeout: float | None = None) -> int:

@@ -35,6 +35,7 @@ from barreld.names import (
     TIER_NAMES,
     alias_problem,
     model_name_problem,
+    stops_problem,
 )
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
@@ -106,10 +107,11 @@ class ModelConfig:
     swa_full: bool | None = None
     aliases: tuple[str, ...] = ()  # glob patterns of the names clients may send for this model
     chat_template: str | None = None  # the text of the Jinja file the entry names, in place of the GGUF's
+    stop: tuple[str, ...] | None = None  # where the model's turn ends in a chat, beyond its end-of-turn token
 
     def knobs(self) -> dict[str, Any]:
         """The context knobs this entry sets, by LoadOptions' names (the others keep their defaults)."""
-        names = ("n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "chat_template")
+        names = ("n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "chat_template", "stop")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -418,7 +420,18 @@ class _Reader:
                 out["chat_template"] = path.read_text()
             except (OSError, UnicodeDecodeError) as exc:
                 self.fail(f"{key}.chat_template", f"cannot read the template {path}: {exc}")
+        if "stop" in entry:
+            out["stop"] = self.stops(entry["stop"], f"{key}.stop")
         return out
+
+    def stops(self, value: object, key: str) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            self.fail(key, f"expected an array of strings, got {value!r}")
+        stops = tuple(self.string(s, key) for s in value)
+        problem = stops_problem(stops)
+        if problem:
+            self.fail(key, problem)
+        return stops
 
     # value checks
 

@@ -87,6 +87,19 @@ ALIAS = re.compile(rf"[A-Za-z0-9._:/@*?\[\]-]{{1,{ALIAS_MAX}}}", re.ASCII)
 ALIAS_RULE = f"a glob pattern of letters, digits and . _ : / @ - * ? [ ], {ALIAS_MAX} characters at most"
 
 
+MAX_STOPS = 16
+MAX_STOP_BYTES = 256
+
+
+def stops_problem(stops: tuple[str, ...] | list[str]) -> str | None:
+    """Why these cannot be stop strings (a request's, or a model's turn ends), or None when they can."""
+    if len(stops) > MAX_STOPS:
+        return f"too many stop strings ({len(stops)}); at most {MAX_STOPS}"
+    if any(not 1 <= len(s.encode()) <= MAX_STOP_BYTES for s in stops):
+        return f"each stop string must be 1..{MAX_STOP_BYTES} bytes"
+    return None
+
+
 def alias_problem(pattern: str) -> str | None:
     """Why `pattern` cannot be a model's alias, or None when it can."""
     return None if ALIAS.fullmatch(pattern) else f"use {ALIAS_RULE}"

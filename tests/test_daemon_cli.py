@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from barrelctl.sandbox import Sandbox
+from tests.test_cache_paths import POLICY
 
 pytestmark = pytest.mark.model
 
@@ -80,6 +81,39 @@ def test_json_says_where_a_missed_prompt_stopped_matching_the_held_text(served: 
     assert d["cached"].startswith("4 by the harbour") and d["prompt"].startswith("5 by the harbour"), d
     assert head.index("4 by") <= d["matched_bytes"] <= head.index("4 by") + 8  # BOS's text may come first
     assert d["matched_tokens"] > 0 and cache["restored_tokens"] <= d["matched_tokens"]
+
+
+def test_cache_explain_names_the_stored_row_a_prompt_left_after_a_restart_and_runs_nothing() -> None:
+    with Sandbox.new(POLICY) as world:
+        explain_after_a_restart(world)
+
+
+def explain_after_a_restart(world: Sandbox) -> None:
+    head = "Meeting notes, written at 10:42 by the lock keeper, say that "
+    body = "the barges waited below the weir while the silver morning letter was read aloud. " * 24
+    proc = world.start_daemon()
+    assert world.ctl("complete", head + body, "--max-tokens", "2").rc == 0
+    assert world.stop(proc) == 0
+    world.start_daemon()  # no live sequence: only the stored rows can say where a prompt left them
+    rows = {r["key"] for r in world.ctl("--json", "cache", "dump").json()["rows"]}
+    before = world.ctl("--json", "cache", "stats").json()["counters"]
+    moved = world.data_dir.parent / "moved.txt"
+    moved.write_text(head.replace("10:42", "10:43") + body)
+    doc = world.ctl("--json", "cache", "explain", str(moved)).json()
+    d, cache = doc["cache"]["divergence"], doc["cache"]
+    assert d["against"] in rows and d["cached"].startswith("2 by the lock") and d["prompt"].startswith("3 by the lock")
+    assert cache["restored_tokens"] <= d["matched_tokens"] < doc["tokens"]["prompt"]
+    assert cache["restored_tokens"] + cache["prefilled_tokens"] == doc["tokens"]["prompt"]
+    human = world.ctl("cache", "explain", "-", input=moved.read_bytes())
+    assert human.rc == 0 and f"row {d['against'][:12]}" in human.out and "would prefill" in human.out, human.out
+    after = world.ctl("--json", "cache", "stats").json()["counters"]
+    assert {r["key"] for r in world.ctl("--json", "cache", "dump").json()["rows"]} == rows  # nothing ran or saved
+    assert [after[k] - before[k] for k in ("misses", "hits_exact", "hits_longest_prefix", "saves_cold")] == [0] * 4
+    same = world.data_dir.parent / "same.txt"
+    same.write_text(head + body)
+    again = world.ctl("--json", "cache", "explain", str(same)).json()["cache"]
+    assert again["path"] == "exact" and again["prefilled_tokens"] == 0 and "divergence" not in again
+    assert world.ctl("cache", "explain", str(world.data_dir.parent / "absent.txt")).rc == 2
 
 
 def test_seeded_sampling_repeats_and_chat_uses_the_template(served: Sandbox) -> None:

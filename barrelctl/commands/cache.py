@@ -1,13 +1,17 @@
-"""`barrelctl cache dump | stats | gc | evict-bytes | verify`: look inside the KV cache and free space."""
+"""`barrelctl cache dump | stats | explain | gc | evict-bytes | verify`: look inside the KV cache and free space."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from barrelctl import render, state
+from barrelctl.commands.complete import done_json
+from barrelctl.conversation import read_messages
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
 from barreld.names import REDIS_TIER, TIER_NAMES
@@ -132,6 +136,48 @@ def _remote_table(r: dict) -> None:
 
 def _by_kind(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "0"
+
+
+@app.command("explain")
+def cache_explain(
+    file: Annotated[str, typer.Argument(help="The prompt, or with --messages a JSON array of {role, content} "
+                                             "messages; '-' reads stdin.", show_default=False)],
+    model: Annotated[str | None, typer.Option("--model", help="Model name (default: the default model).")] = None,
+    messages: Annotated[bool, typer.Option("--messages", help="FILE is a conversation, rendered by the model's "
+                                                              "chat template.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as one user turn.")] = False,
+    parent_key: Annotated[str | None, typer.Option("--parent-key", help="The previous turn's `key`.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Say what a completion of FILE would restore and, short of all of it, where it leaves the closest text
+    the model holds (a live sequence or a stored row), without running it."""
+    convo = read_messages(file) if messages else ()
+    text = b"" if messages else _read_file(file)
+    done = state.client().complete(text, model=model or "", chat=chat, messages=convo, parent_key=parent_key or "",
+                                   explain=True).result()
+    doc = {k: v for k, v in done_json(done).items() if k in ("model", "prompt_key", "cache", "tokens")}
+    if state.want_json(json_out):
+        render.print_json(doc)
+        return
+    c, n = doc["cache"], doc["tokens"]["prompt"]
+    rows = [("prompt", f"{n:,} tokens"),
+            ("would restore", f"{c['restored_tokens']:,} ({c['path']}{', ' + c['tier'] if c['tier'] else ''})"),
+            ("would prefill", f"{c['prefilled_tokens']:,}")]
+    d = c.get("divergence")
+    if d:
+        held = "a live sequence" if d["against"] == "live" else f"row {d['against'][:12]}"
+        rows += [("closest text", f"{held}: the first {d['matched_tokens']:,} tokens ({d['matched_bytes']:,} bytes)"),
+                 ("  then it holds", repr(d["cached"])), ("  the prompt has", repr(d["prompt"]))]
+    elif c["prefilled_tokens"]:
+        rows.append(("closest text", "none: the model holds no text to compare with"))
+    render.pairs(f"{doc['model']}: {c['path']}", rows)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        return sys.stdin.buffer.read() if path == "-" else Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}", EXIT_USAGE) from None
 
 
 @app.command("gc")

@@ -10,7 +10,7 @@ import typer
 from barrelctl import render, state
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
-from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, alias_problem
+from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, alias_problem, stops_problem
 
 NThreads = Annotated[int | None, typer.Option("--n-threads", help="CPU threads (default: the usable cores).")]
 NGpuLayers = Annotated[
@@ -39,13 +39,21 @@ Aliases = Annotated[
     typer.Option("--alias", help="Another name clients may ask for it by, a glob pattern such as 'claude-*' "
                  "(repeatable)."),
 ]
+TurnEnds = Annotated[
+    list[str] | None,
+    typer.Option("--stop", help="A string that ends its turn in a chat, for a base model that never ends it "
+                 "by itself, such as '\\nUser:' (repeatable)."),
+]
 
 
-def _check_aliases(patterns: list[str]) -> None:
+def _check_aliases(patterns: list[str], stops: list[str]) -> None:
     for pattern in patterns:
         problem = alias_problem(pattern)
         if problem:
             raise CliError(f"bad --alias {pattern[:40]!r}: {problem}", EXIT_USAGE)
+    problem = stops_problem(stops)
+    if problem:
+        raise CliError(f"bad --stop: {problem}", EXIT_USAGE)
 
 
 def model_json(m) -> dict:
@@ -77,6 +85,7 @@ def model_json(m) -> dict:
         "prefill_chunk": m.prefill_chunk,
         "error": m.error,
         "aliases": list(m.aliases),
+        "stop": list(m.stop),
     }
 
 
@@ -135,12 +144,13 @@ def model_load(
     type_v: TypeV = None,
     swa_full: SwaFull = None,
     alias: Aliases = None,
+    stop: TurnEnds = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a model under NAME."""
     _check_context(tier, n_ctx, n_batch, n_seq_max)
     _check_knobs(n_threads, n_gpu_layers, flash_attn, type_k, type_v)
-    _check_aliases(alias or [])
+    _check_aliases(alias or [], stop or [])
     resolved = str(path.expanduser().resolve()) if path else ""
     info = state.client().load(
         name,
@@ -157,6 +167,7 @@ def model_load(
         type_v=type_v or "",
         swa_full=swa_full,
         aliases=alias or (),
+        stop=stop or (),
     )
     _print_loaded(info, json_out)
 

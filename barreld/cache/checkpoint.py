@@ -57,6 +57,7 @@ _HEADER = struct.Struct("<8sIIQIIQQQQ")
 _TRAILER_LEN = 16
 _FLAG_LOGITS = 1
 MIN_FILE_LEN = _HEADER.size + _TRAILER_LEN
+HEADER_BYTES = _HEADER.size
 
 Buffer = bytes | bytearray | memoryview
 
@@ -298,6 +299,19 @@ def _chain_of(meta: dict, version: int, state_len: int) -> Chain | None:
     if ("chain" in meta) != (chain is not None) or (chain and chain.tail + sum(chain.opaque) != state_len):
         raise ValueError(f"a format {version} file with a chain that does not fit it")
     return chain
+
+
+def rendered_span(head: Buffer) -> tuple[int, int]:
+    """Where the rendered text lies in a checkpoint file, from its first HEADER_BYTES bytes: (start, end).
+    Unverified (the checksum covers the whole file): for showing a stored text, never for a restore."""
+    mv = memoryview(head).cast("B")
+    if len(mv) < _HEADER.size:
+        raise CorruptCheckpoint(f"file too short ({len(mv)} bytes)")
+    magic, version, _flags, _length, meta_len, n_tokens, r_len, s_len, l_len, _zero = _HEADER.unpack_from(mv)
+    if magic != MAGIC or version not in (FORMAT_VERSION, CHAIN_FORMAT):
+        raise CorruptCheckpoint("not a checkpoint file")
+    _tokens_at, rendered_at, *_ = _offsets(meta_len, n_tokens, r_len, s_len, l_len)
+    return rendered_at, rendered_at + r_len
 
 
 def decode(buf: Buffer) -> Checkpoint:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from barreld.names import REDIS_TIER, TIER_NAMES, TIER_RANK, MemoryKind
 
 from . import blocks
-from .checkpoint import Checkpoint, decode, encode_parts, encoded_size
+from .checkpoint import HEADER_BYTES, Checkpoint, decode, encode_parts, encoded_size, rendered_span
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
 from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Reservation, Row, RowHead, valid_aliases
@@ -734,6 +734,27 @@ class CacheStore:
         evicted, freed = index.evict(names, n)
         self.counters.count("evictions", evicted)
         return evicted, freed
+
+    def texts(self, model: str, limit: int) -> list[tuple[bytes, bytes]]:
+        """(key, rendered text) of the model's `limit` most recently used rows, read without their states and
+        unverified: what a prompt is compared with to say why it missed, never restored from. A row removed
+        while it is read is left out."""
+        index = self._require_open()
+        rows = sorted((r for r in index.rows() if r.model == model and r.status == AVAILABLE and r.location),
+                      key=lambda r: r.last_used_ns, reverse=True)
+        out = []
+        for row in rows[:limit]:
+            if not index.acquire(row.key):
+                continue
+            try:
+                tier = self._tiers[row.tier]
+                start, end = rendered_span(tier.read_range(row.location, 0, HEADER_BYTES))
+                out.append((row.key, tier.read_range(row.location, start, end)))
+            except (CorruptCheckpoint, OSError, KeyError) as e:
+                log.debug("row %s not compared: %s", row.key.hex(), e)
+            finally:
+                index.release(row.key)
+        return out
 
     def dump(self, model: str | None = None, tier: str | None = None) -> list[dict]:
         """Every row as the contract's `cache dump` shape, most recently used first.

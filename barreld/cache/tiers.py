@@ -117,6 +117,10 @@ class Tier(ABC):
     def read(self, location: str) -> bytearray | memoryview:
         """The whole payload at a location (OSError/KeyError when it is gone)."""
 
+    def read_range(self, location: str, start: int, end: int) -> bytes:
+        """Bytes start..end of a payload (OSError/KeyError when it is gone)."""
+        return bytes(self.read(location)[start:end])
+
     @abstractmethod
     def delete(self, location: str) -> None:
         """Remove a payload; removing one that is already gone is not an error."""
@@ -350,6 +354,11 @@ class FileTier(Tier):
             view = memoryview(thread_buffer(_read_buffers, size))[:size]
             _fill(f, view, location)
         return view
+
+    def read_range(self, location: str, start: int, end: int) -> bytes:
+        """Only the bytes asked for: a row's text without the state after it."""
+        with open(self._check_location(location), "rb", buffering=0) as f:
+            return os.pread(f.fileno(), max(0, end - start), start)
 
     def read_into(self, location: str, out: memoryview) -> int:
         """Read a whole file into `out` (at least its size); returns its size."""

@@ -1,6 +1,7 @@
-"""Why a miss missed: how far a prompt matched the closest text the model's live sequences hold, and the
-bytes on each side of the first difference, so a user sees the timestamp in a system prompt, or the client
-that rewrote an old turn, instead of a bare miss. Pure: bytes in, a report out.
+"""Why a miss missed: how far a prompt matched the closest text the model holds (its live sequences; for
+`barrelctl cache explain`, its stored rows too), and the bytes on each side of the first difference, so a user
+sees the timestamp in a system prompt, or the client that rewrote an old turn, instead of a bare miss. Pure:
+bytes in, a report out.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 SHOWN_BYTES = 48  # of each side of the first difference
+LIVE = "live"  # a live sequence's text, as `Divergence.against` names it
 
 
 @dataclass(frozen=True)
@@ -18,29 +20,36 @@ class Divergence:
     matched_bytes: int
     cached: bytes  # the closest text's bytes from the first difference (empty: the prompt runs on past it)
     prompt: bytes  # the prompt's bytes from the first difference
+    against: str = LIVE  # the text compared with: LIVE, or the hex key of a stored row
 
     def doc(self) -> dict[str, int | str]:
         """The report as the HTTP API and `barrelctl --json` show it: both sides as text."""
         return {"matched_tokens": self.matched_tokens, "matched_bytes": self.matched_bytes,
-                "cached": self.cached.decode("utf-8", "replace"), "prompt": self.prompt.decode("utf-8", "replace")}
+                "cached": self.cached.decode("utf-8", "replace"), "prompt": self.prompt.decode("utf-8", "replace"),
+                "against": self.against}
 
 
-def divergence(rendered: bytes, offsets: list[int], texts: Iterable[bytes | bytearray]) -> Divergence | None:
-    """The report against the text among `texts` that shares the longest prefix with `rendered`; `offsets[i]`
-    is the length in bytes of the prompt's first i tokens. None when nothing is held."""
-    best: tuple[int, bytes] | None = None
-    for text in texts:
+Labelled = tuple[str, bytes | bytearray]  # a text and what holds it
+
+
+def divergence(rendered: bytes, offsets: list[int], texts: Iterable[Labelled]) -> Divergence | None:
+    """The report against the text among `texts` (each labelled with what holds it) that shares the longest
+    prefix with `rendered`; the first such wins. `offsets[i]` is the length in bytes of the prompt's first i
+    tokens. None when nothing is held."""
+    best: tuple[int, str, bytes | bytearray] | None = None
+    for label, text in texts:
         n = common_prefix(rendered, text)
         if best is None or n > best[0]:
-            best = (n, text)
+            best = (n, label, text)
     if best is None:
         return None
-    n, text = best
+    n, label, text = best
     return Divergence(
         matched_tokens=bisect.bisect_right(offsets, n) - 1,
         matched_bytes=n,
         cached=bytes(text[n : n + SHOWN_BYTES]),
         prompt=rendered[n : n + SHOWN_BYTES],
+        against=label,
     )
 
 

@@ -266,6 +266,10 @@ class ModelCache:
                 best = candidate
         return best
 
+    def stored_texts(self, limit: int) -> list[tuple[bytes, bytes]]:
+        """(key, text) of this model's most recently used rows, at most `limit`."""
+        return [] if self.store is None else self.store.texts(self.model, limit)
+
     def usable(self, ckpt: Checkpoint, hit: Hit, tokens: list[int]) -> int:
         """Tokens of a read checkpoint the prompt can reuse: its tokens must be the prompt's own."""
         matched = common_prefix_len(ckpt.tokens[: hit.n_tokens], tokens)

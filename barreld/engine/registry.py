@@ -19,7 +19,15 @@ from barreld.engine.memory import Memory
 from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument, NotFound
-from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES, TIER_NAMES, MemoryKind, alias_problem, model_name_problem
+from barreld.names import (
+    KV_CACHE_TYPES,
+    PLAIN_KV_TYPES,
+    TIER_NAMES,
+    MemoryKind,
+    alias_problem,
+    model_name_problem,
+    stops_problem,
+)
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
@@ -79,6 +87,7 @@ class LoadOptions:
     swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
     aliases: tuple[str, ...] = ()  # glob patterns of other names clients may ask for it by
     chat_template: str | None = None  # in place of the GGUF's own (a base model has none)
+    stop: tuple[str, ...] = ()  # where its turn ends in a chat, beyond its end-of-turn token (a base model)
 
 
 def check_model_knobs(opts: LoadOptions) -> None:
@@ -92,6 +101,9 @@ def check_model_knobs(opts: LoadOptions) -> None:
             raise InvalidArgument(f"bad {what} {value[:40]!r}: expected one of {', '.join(KV_CACHE_TYPES)}")
     if opts.type_v not in PLAIN_KV_TYPES and not opts.flash_attn:
         raise InvalidArgument(f"bad type_v {opts.type_v!r}: a quantised V cache needs flash_attn on")
+    problem = stops_problem(opts.stop)
+    if problem:
+        raise InvalidArgument(f"bad stop: {problem}")
 
 
 @dataclass
@@ -276,7 +288,8 @@ class ModelRegistry:
             quant=quant,
             ctx_params=ctx_bytes,
         )
-        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue)
+        turn_ends = tuple(s.encode() for s in opts.stop)
+        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue, turn_ends=turn_ends)
         return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers)
 
     def _blocks_fit(self, name: str, policy: Policy, chunk: int) -> bool:

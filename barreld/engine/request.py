@@ -29,6 +29,8 @@ class CompletionParams:
     sampling: SamplingParams = SamplingParams()
     logprobs: int | None = None  # None: none; 0: each token's own; N: and the N likeliest tokens
     stop: tuple[bytes, ...] = ()
+    explain: bool = False  # look up only: report what would be restored and where the prompt left the closest text
+    turn_ends: tuple[bytes, ...] = ()  # the model's (a chat only): they end the reply as its end-of-turn token would
     parent_key: bytes | None = None
     tools: ToolSpec | None = None  # rendered into the prompt; a forced call adds its grammar
 

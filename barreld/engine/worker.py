@@ -23,7 +23,7 @@ import numpy as np
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError
 from barreld.engine.chat import Message
-from barreld.engine.divergence import divergence
+from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import Found, ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
@@ -49,6 +49,7 @@ from barreld.names import Route
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64
+EXPLAIN_ROWS = 32  # stored rows an explained prompt is compared with, most recently used first
 
 
 def _ms(seconds: float) -> float:
@@ -56,11 +57,16 @@ def _ms(seconds: float) -> float:
 
 
 class ModelWorker:
-    def __init__(self, name: str, backend: Backend, cache: ModelCache, *, max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, name: str, backend: Backend, cache: ModelCache, *, max_queue: int = DEFAULT_MAX_QUEUE,
+                 turn_ends: tuple[bytes, ...] = ()):
         self.name = name
         self.backend = backend
         self.cache = cache
         self.max_queue = max_queue
+        # The operator's strings that end this model's turn in a conversation: a base model never samples
+        # its template's end-of-turn token, but writes the next turn's marker. A reply that reaches one ends
+        # as if the model had ended its turn (not as a stop sequence the client asked for).
+        self.turn_ends = turn_ends
         self.seqs = [Sequence(i) for i in range(backend.n_seq_max)]
         # A completion has at least one token: end-of-generation is masked at the first step, or an
         # instruct model given a bare question would often answer with nothing at all.
@@ -79,8 +85,9 @@ class ModelWorker:
     def submit(self, params: CompletionParams, events: EventSink | None = None) -> Request:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
+        turn_ends = self.turn_ends if params.messages or params.chat else ()
         params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False,
-                                     sampling=self._tool_sampling(params))
+                                     sampling=self._tool_sampling(params), turn_ends=turn_ends)
         with self._cond:
             if self._stopping:
                 raise Unavailable(f"model {self.name} is shutting down; retry once it is loaded again")
@@ -173,7 +180,9 @@ class ModelWorker:
         idle = [s for s in self.seqs if s.idle]
         found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
-        held = (s.rendered for s in self.seqs if s.tokens)
+        held = [(LIVE, s.rendered) for s in self.seqs if s.tokens]
+        if req.params.explain:
+            return self._explain(req, tokens, rendered, offsets, found, held)
         closest = divergence(rendered, offsets, held) if found.tokens < len(tokens) else None
         seq = found.seq if found.seq is not None else self._claim(idle)
         req.target = tokens
@@ -190,11 +199,30 @@ class ModelWorker:
         req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
         if kept and req.snapshot_at == kept:
             self._snapshot(seq)
-        req.scanner = StopScanner(list(req.params.stop))
+        req.scanner = StopScanner(list(req.params.stop), list(req.params.turn_ends))
         req.prefill_started = time.perf_counter()
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
         with self._cond:
             self._active.append(req)
+
+    def _explain(self, req: Request, tokens: list[int], rendered: bytes, offsets: list[int], found: Found,
+                 held: list[tuple[str, bytes | bytearray]]) -> None:
+        """Answers a look-up-only request: what a completion would restore and, short of the whole prompt,
+        where it left the closest text held, stored rows included (read here, off the hot path). Nothing is
+        claimed, prefilled or counted as a hit or a miss."""
+        if found.tokens < len(tokens):
+            stored = [(key.hex(), text) for key, text in self.cache.stored_texts(EXPLAIN_ROWS)]
+            req.cache.divergence = divergence(rendered, offsets, [*held, *stored])
+        req.prompt_tokens = len(tokens)
+        req.cache.route = found.route if found.tokens else Route.MISS
+        req.cache.restored_tokens = found.tokens
+        req.cache.prefilled_tokens = len(tokens) - found.tokens
+        req.cache.tier = found.tier if found.tokens and found.route is not Route.LIVE else None
+        req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
+        req.timings.total = time.perf_counter() - req.submitted
+        t = req.timings
+        req.events.put(Done(b"", "explain", req.prompt_key, req.prompt_key, req.cache, req.prompt_tokens, 0,
+                            type(t)(_ms(t.lookup), 0.0, 0.0, 0.0, _ms(t.total))))
 
     def _prompt(self, p: CompletionParams) -> tuple[list[int], bytes, list[int]]:
         """The prompt's tokens, the bytes they render to, and each token prefix's length in bytes."""
@@ -464,7 +492,7 @@ class ModelWorker:
                 completion_tokens=req.generated,
                 timings=type(t)(_ms(t.lookup), _ms(t.restore), _ms(t.prefill), _ms(t.ttft), _ms(t.total)),
                 logprobs=tuple(req.logprobs[: req.logprobs_sent]),
-                stop=req.scanner.matched,
+                stop=req.scanner.matched if req.scanner.matched in req.params.stop else b"",
             )
         )
         self._release(req)

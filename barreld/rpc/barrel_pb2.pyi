@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat", "messages", "chat_template", "sampling", "logprobs")
+    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat", "messages", "chat_template", "sampling", "logprobs", "explain")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class CompleteRequest(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: bytes
     max_tokens: int
@@ -32,7 +33,8 @@ class CompleteRequest(_message.Message):
     chat_template: str
     sampling: Sampling
     logprobs: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., chat_template: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    explain: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., chat_template: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., logprobs: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "logit_bias", "grammar", "json_schema", "json_object")
@@ -110,16 +112,18 @@ class CacheInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., tier: _Optional[str] = ..., divergence: _Optional[_Union[Divergence, _Mapping]] = ...) -> None: ...
 
 class Divergence(_message.Message):
-    __slots__ = ("matched_tokens", "matched_bytes", "cached", "prompt")
+    __slots__ = ("matched_tokens", "matched_bytes", "cached", "prompt", "against")
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    AGAINST_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     matched_bytes: int
     cached: bytes
     prompt: bytes
-    def __init__(self, matched_tokens: _Optional[int] = ..., matched_bytes: _Optional[int] = ..., cached: _Optional[bytes] = ..., prompt: _Optional[bytes] = ...) -> None: ...
+    against: str
+    def __init__(self, matched_tokens: _Optional[int] = ..., matched_bytes: _Optional[int] = ..., cached: _Optional[bytes] = ..., prompt: _Optional[bytes] = ..., against: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("lookup", "restore", "prefill", "ttft", "total")
@@ -190,7 +194,7 @@ class CompleteEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[CompleteStarted, _Mapping]] = ..., token: _Optional[_Union[CompleteToken, _Mapping]] = ..., done: _Optional[_Union[CompleteDone, _Mapping]] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "aliases")
+    __slots__ = ("name", "path", "tier", "n_ctx", "n_batch", "n_seq_max", "policy", "fingerprint", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "aliases", "stop")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +217,7 @@ class LoadModelRequest(_message.Message):
     TYPE_V_FIELD_NUMBER: _ClassVar[int]
     SWA_FULL_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     tier: str
@@ -228,10 +233,11 @@ class LoadModelRequest(_message.Message):
     type_v: str
     swa_full: bool
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk", "error", "aliases")
+    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk", "error", "aliases", "stop")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +272,7 @@ class ModelInfo(_message.Message):
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     fingerprint: str
@@ -293,7 +300,8 @@ class ModelInfo(_message.Message):
     prefill_chunk: int
     error: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnloadModelRequest(_message.Message):
     __slots__ = ("name",)

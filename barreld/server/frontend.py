@@ -19,14 +19,12 @@ from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, E
 from barreld.engine.sampling import SamplingParams, check_logprobs
 from barreld.engine.tools import ToolSpec
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
-from barreld.names import MODEL_NAME_MAX
+from barreld.names import MODEL_NAME_MAX, stops_problem
 
 if TYPE_CHECKING:
     from barreld.server.metrics import Metrics
 
-MAX_STOPS = 16
 MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
-MAX_STOP_BYTES = 256
 SHOWN = 80
 
 
@@ -71,6 +69,7 @@ def completion_params(
     parent_key: str = "",
     chat_template: str | None = None,
     tools: ToolSpec | None = None,
+    explain: bool = False,
 ) -> CompletionParams:
     """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one
     (the sampler's were checked when `sampling` was made)."""
@@ -79,11 +78,10 @@ def completion_params(
     if not 1 <= max_tokens <= n_ctx:
         raise InvalidArgument(f"bad max_tokens {max_tokens}: expected 1..{n_ctx} (the model's n_ctx)")
     check_logprobs(logprobs)
-    if len(stop) > MAX_STOPS:
-        raise InvalidArgument(f"too many stop strings ({len(stop)}); at most {MAX_STOPS}")
+    problem = stops_problem(stop)
+    if problem:
+        raise InvalidArgument(problem)
     stops = tuple(s.encode() for s in stop)
-    if any(not s or len(s) > MAX_STOP_BYTES for s in stops):
-        raise InvalidArgument(f"each stop string must be 1..{MAX_STOP_BYTES} bytes")
     return CompletionParams(
         prompt=prompt,
         chat=chat,
@@ -95,6 +93,7 @@ def completion_params(
         stop=stops,
         parent_key=parse_key(parent_key, "parent key") if parent_key else None,
         tools=tools,
+        explain=explain,
     )
 
 

@@ -92,6 +92,7 @@ def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         stop=req.stop,
         parent_key=req.parent_key,
+        explain=req.explain,
     )
 
 
@@ -145,6 +146,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         swa_full=m.memory.swa_full,
         prefill_chunk=m.memory.chunk,
         aliases=list(m.options.aliases),
+        stop=list(m.options.stop),
     )
 
 
@@ -153,7 +155,7 @@ def cache_info(c) -> pb.CacheInfo:
     return pb.CacheInfo(
         path=c.route.value, restored_tokens=c.restored_tokens, prefilled_tokens=c.prefilled_tokens, tier=c.tier or "",
         divergence=None if d is None else pb.Divergence(matched_tokens=d.matched_tokens, matched_bytes=d.matched_bytes,
-                                                        cached=d.cached, prompt=d.prompt),
+                                                        cached=d.cached, prompt=d.prompt, against=d.against),
     )
 
 
@@ -245,6 +247,7 @@ class Servicer(pb_grpc.BarrelServicer):
             type_v=request.type_v or base.type_v,
             swa_full=request.swa_full if request.HasField("swa_full") else base.swa_full,
             aliases=tuple(request.aliases) or base.aliases,
+            stop=tuple(request.stop) or base.stop,
         )
         for what, value in (("n_ctx", request.n_ctx), ("n_batch", request.n_batch), ("n_seq_max", request.n_seq_max)):
             if value < 0:

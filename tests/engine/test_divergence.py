@@ -1,5 +1,6 @@
 """Why a miss missed: a changed timestamp in a system prompt, or a rewritten old turn, is reported as the first
-difference from the closest text the live sequences hold; a whole hit reports nothing."""
+difference from the closest text the live sequences hold; a whole hit reports nothing. An explained prompt
+(look-up only) is compared with the stored rows too, so the report survives a restart."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def test_a_whole_hit_reports_no_divergence(engine: Engine) -> None:
 
 
 def test_the_closest_text_wins_and_tokens_are_counted_whole() -> None:
-    d = divergence(b"abcdef", [0, 2, 4, 6], [b"abx", b"abcdxx", b""])
+    d = divergence(b"abcdef", [0, 2, 4, 6], [("live", b"abx"), ("k1", b"abcdxx"), ("k2", b"abcdyy"), ("k3", b"")])
     assert d is not None and (d.matched_bytes, d.matched_tokens, d.cached, d.prompt) == (4, 2, b"xx", b"ef")
+    assert d.against == "k1"  # the first of the closest
     assert divergence(b"abc", [0, 3], []) is None
 
 
@@ -50,3 +52,22 @@ def test_common_prefix_agrees_with_a_plain_walk() -> None:
     for a, b in [(b"", b"x"), (b"abc", b"abc"), (b"abc", b"abd"), (b"a" * 1000 + b"b", b"a" * 1000 + b"c")]:
         walk = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         assert common_prefix(a, b) == walk
+
+
+def test_an_explained_prompt_is_compared_with_stored_rows_and_runs_nothing(engine: Engine) -> None:
+    body = plain(200, 7)
+    engine.run(HEAD + body)
+    later = engine.restarted()  # no live sequence: only the stored rows can say where the prompt left them
+    rows = {r["key"] for r in engine.store.dump()}
+    counters = dict(engine.store.stats()["counters"])
+    moved = HEAD.replace(b"14:03:12", b"14:03:13")
+    explained = later.run(moved + body, explain=True)
+    d = explained.done.cache.divergence
+    assert explained.text == b"" and explained.done.finish_reason == "explain" and explained.done.completion_tokens == 0
+    assert d is not None and d.against in rows and d.cached.startswith(b"2Z. ") and d.prompt.startswith(b"3Z. ")
+    assert explained.done.cache.restored_tokens <= d.matched_tokens  # a stored head before the timestamp, at most
+    after = engine.store.stats()["counters"]
+    assert {r["key"] for r in engine.store.dump()} == rows  # nothing saved
+    assert [after[k] - counters[k] for k in ("misses", "hits_exact", "saves_cold")] == [0, 0, 0]
+    same = later.run(HEAD + body, explain=True)  # what a resend would restore, said before running it
+    assert same.done.cache.restored_tokens == same.done.prompt_tokens and same.done.cache.divergence is None

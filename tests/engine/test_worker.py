@@ -280,6 +280,20 @@ def test_a_stop_string_ends_the_reply_before_it(engine: Engine) -> None:
     assert reply.text == reply.streamed == whole[: whole.find(stop)]
 
 
+def test_a_models_turn_end_ends_a_chat_reply_as_its_end_of_turn_token_would(engine: Engine) -> None:
+    question = b"why is the sky blue?"
+    whole = engine.run(question, chat=True, max_tokens=20).text
+    end = next(whole[i : i + 2] for i in range(4, len(whole)) if whole[i : i + 2].isascii())
+    reload(engine, stop=(end.decode(),))
+    reply = engine.run(question, chat=True, max_tokens=20)
+    assert reply.text == reply.streamed == whole[: whole.find(end)]
+    assert reply.done.finish_reason == "stop" and reply.done.stop == b""  # the model ended its turn
+    asked = engine.run(question, chat=True, max_tokens=20, stop=(end,))
+    assert asked.text == reply.text and asked.done.stop == end  # the client's own stop string is named
+    raw = render_user_turn(question)  # a raw prompt is no conversation: no turn to end
+    assert engine.run(raw, max_tokens=20).text == engine.cold(raw, max_tokens=20).text == whole
+
+
 def test_an_end_of_generation_token_ends_the_reply(engine: Engine) -> None:
     be = engine.backend()
     for seed in range(100):

@@ -170,6 +170,12 @@ def test_values_are_read(tmp_path: Path) -> None:
                              "type_v": "q4_0", "swa_full": False}
 
 
+def test_a_models_turn_ends_are_read(tmp_path: Path) -> None:
+    config = load(tmp_path, "[[models]]\nname = 'smollm2'\nstop = [\"\\nUser:\", \"\\nAssistant:\"]\n")
+    assert config.models[0].stop == ("\nUser:", "\nAssistant:")
+    assert config.models[0].knobs()["stop"] == ("\nUser:", "\nAssistant:")
+
+
 def test_a_models_aliases_are_read(tmp_path: Path) -> None:
     (tmp_path / "b.gguf").touch()
     config = load(tmp_path, "[[models]]\nname = 'smollm2'\naliases = ['claude-*', 'gpt-4o']\n[[models]]\nname = 'b'\n"
@@ -238,6 +244,9 @@ BAD = [
     ("[tiers.nvme]\nquota = '1G'", "tiers.nvme", "unknown key"),
     ("[[models]]\nname = 'smollm2'\ntier = 'nvme'", "models[0].tier", "unknown tier 'nvme'"),
     ("[[models]]\nname = 'smollm2'\naliases = 'claude-*'", "models[0].aliases", "array of glob patterns"),
+    ("[[models]]\nname = 'smollm2'\nstop = '\\nUser:'", "models[0].stop", "array of strings"),
+    ("[[models]]\nname = 'smollm2'\nstop = ['']", "models[0].stop", "1..256 bytes"),
+    ("[[models]]\nname = 'smollm2'\nstop = [1]", "models[0].stop", "expected a string"),
     ("[[models]]\nname = 'smollm2'\naliases = ['claude *']", "models[0].aliases", "bad alias 'claude *'"),
     ("[[models]]\nname = 'smollm2'\naliases = [1]", "models[0].aliases", "expected a string"),
     ("[[models]]\nname = 'smollm2'\nchat_template = 'none.jinja'", "models[0].chat_template", "cannot read"),

@@ -48,6 +48,24 @@ def test_stop_scanner_never_streams_part_of_a_stop_string(pieces: list[bytes], s
     assert scanner.text == streamed
 
 
+@given(st.lists(st.binary(min_size=1, max_size=4), max_size=30), st.binary(min_size=1, max_size=5))
+def test_a_turn_end_stops_only_text_that_holds_more_than_whitespace(pieces: list[bytes], end: bytes) -> None:
+    scanner = StopScanner([], [end])
+    streamed = b"".join(scanner.feed(p) for p in pieces)
+    if not scanner.stopped:
+        streamed += scanner.flush()
+    whole = b"".join(pieces)
+    cut = next((i for i in range(len(whole)) if whole.startswith(end, i) and whole[:i].strip()), -1)
+    assert streamed == (whole if cut < 0 else whole[:cut]) and scanner.text == streamed
+    assert not scanner.stopped or scanner.matched == end
+
+
+def test_a_turn_end_at_the_start_of_a_reply_is_passed_over() -> None:
+    scanner = StopScanner([], [b"\nUser:"])
+    assert scanner.feed(b"\nUser:") + scanner.feed(b" Hi") + scanner.feed(b"\nUser:") == b"\nUser: Hi"
+    assert scanner.stopped and scanner.text == b"\nUser: Hi"
+
+
 def sampler(n_vocab: int = 4, **params: object) -> Sampler:
     return Sampler(SamplingParams(**params), n_vocab)
 

@@ -92,16 +92,16 @@ def test_each_family_gets_the_tools_and_its_reply_renders_back_as_the_prefix_of_
     assert draw(template, answered).startswith(prompt + reply)
 
 
-def gemma_template() -> str:
-    """The Gemma 3 template the README gives (Gemma 3 270M ships none)."""
+def dialogue_template() -> str:
+    """The plain dialogue template the README gives for a base model (Gemma 3 270M ships none)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    return re.search(r"cat > gemma.jinja <<'JINJA'\n(.*?)JINJA\n", readme, re.S).group(1)
+    return re.search(r"cat > dialogue.jinja <<'JINJA'\n(.*?)JINJA\n", readme, re.S).group(1)
 
 
 @pytest.mark.parametrize(("template", "system_turn", "end"), [
     (smollm2_template, "<|im_start|>system\nBe brief.\n\nYou can call tools.", "<|im_end|>"),
-    (gemma_template, "<start_of_turn>user\n[system] Be brief.\n\nYou can call tools.", "<end_of_turn>"),
-], ids=["smollm2", "gemma3"])
+    (dialogue_template, "Be brief.\n\nYou can call tools.", "\n\n"),
+], ids=["smollm2", "dialogue"])
 def test_the_generic_format_describes_the_tools_in_the_system_turn_and_renders_a_call_back(
     template: Callable[[], str], system_turn: str, end: str
 ) -> None:
