@@ -16,7 +16,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 
-from barreld.cache.policy import Policy, PolicyError
 from barreld.cache.remote.settings import (
     DEFAULT_PREFIX,
     DEFAULT_TIMEOUT_MS,
@@ -25,6 +24,7 @@ from barreld.cache.remote.settings import (
     prefix_problem,
     url_problem,
 )
+from barreld.engine.policy import Policy, PolicyError
 from barreld.http.address import ListenAddress, load_api_keys, parse_listen
 from barreld.names import (
     FINGERPRINT_MODES,

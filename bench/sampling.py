@@ -77,9 +77,9 @@ def generate(worker, params) -> tuple[float, int]:
 
 
 def constrained_section(reps: int) -> Table:
-    from barreld.cache.policy import Policy
     from barreld.engine.chat import Message
     from barreld.engine.grammar import schema_grammar
+    from barreld.engine.policy import Policy
     from barreld.engine.registry import ModelRegistry
     from barreld.engine.request import CompletionParams
     from barreld.engine.sampling import SamplingParams

@@ -210,7 +210,7 @@ class OverheadSection:
 def section_overhead(tok: Tokenizer, s: Settings) -> OverheadSection:
     """The same completion (a never-seen 200-token prompt, 32 tokens generated, no cache) through the socket
     and straight into the engine in this process, alternating."""
-    from barreld.cache.policy import Policy
+    from barreld.engine.policy import Policy
     from barreld.engine.registry import ModelRegistry
     from barreld.engine.request import CompletionParams, Done, Failed, Token
 

@@ -264,7 +264,7 @@ def test_every_config_key_is_in_barreld_8(tmp_path: Path) -> None:
         missing += [f"tiers.{tier}.{k}" for k in keys if not re.search(rf"^{k}\b", sections[tier_heading], re.M)]
     assert not missing, missing
     # The contract's example keys, once more by name, and the policy's defaults as the code has them.
-    from barreld.cache.policy import Policy
+    from barreld.engine.policy import Policy
 
     for key, value in Policy().as_dict().items():
         text = sections["CONFIGURATION/[policy]"]
@@ -432,7 +432,7 @@ def _seconds(value: str) -> float:
 
 
 def test_unit_runs_barreld_as_the_contract_says() -> None:
-    from barreld.cache.policy import Policy
+    from barreld.engine.policy import Policy
     from barreld.paths import SYSTEM_SOCKET
 
     s = {k: v[-1] for k, v in unit_settings().items()}
@@ -521,8 +521,8 @@ def _toml_blocks(text: str) -> list[str]:
 
 def test_documented_config_examples_load_with_the_defaults(tmp_path: Path) -> None:
     """The README's annotated config and barreld.8's example are valid files that say the defaults."""
-    from barreld.cache.policy import Policy
     from barreld.config import SchedulerConfig, load_config
+    from barreld.engine.policy import Policy
 
     man_example = man_sections(MAN8)["CONFIGURATION/Example"]
     examples = [*_toml_blocks((ROOT / "README.md").read_text()), man_example]

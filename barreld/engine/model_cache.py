@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import numpy as np
 
 from barreld.cache import stateformat
-from barreld.cache.policy import INFINITY, Policy
 from barreld.engine.backend import Backend, BatchItem
 from barreld.engine.memory import Memory
 from barreld.engine.plan import common_prefix_len
+from barreld.engine.policy import INFINITY, Policy
 from barreld.engine.sequence import Sequence, Snapshot
 from barreld.names import MemoryKind, Route
 

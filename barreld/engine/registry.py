@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
-from barreld.cache.policy import Policy
 from barreld.engine.backend import Backend, BackendFactory, ContextSettings, ModelLoadError
 from barreld.engine.llama_backend import LlamaBackend
 from barreld.engine.memory import Memory
 from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
+from barreld.engine.policy import Policy
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import (

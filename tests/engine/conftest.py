@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from barreld.cache import CacheStore, Checkpoint, SaveOutcome, TierConfig
-from barreld.cache.policy import Policy
 from barreld.engine.backend import BatchItem, ContextSettings
+from barreld.engine.policy import Policy
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import CompletionParams, Done, Failed, Request, Started, Token
 from barreld.engine.sampling import SamplingParams

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from barreld.cache.policy import Policy
 from barreld.config import (
     Config,
     ConfigError,
@@ -16,6 +15,7 @@ from barreld.config import (
     default_data_dir,
     load_config,
 )
+from barreld.engine.policy import Policy
 
 GIB = 1024**3
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from barreld.cache.policy import AUTO, INFINITY, Policy, PolicyError
+from barreld.engine.policy import AUTO, INFINITY, Policy, PolicyError
 
 GUIDE_DEFAULTS = {
     "min_tokens": 512,
