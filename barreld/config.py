@@ -16,6 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 
+from barreld.address import ListenAddress, load_api_keys, parse_listen
 from barreld.cache.remote.settings import (
     DEFAULT_PREFIX,
     DEFAULT_TIMEOUT_MS,
@@ -25,7 +26,6 @@ from barreld.cache.remote.settings import (
     url_problem,
 )
 from barreld.engine.policy import Policy, PolicyError
-from barreld.http.address import ListenAddress, load_api_keys, parse_listen
 from barreld.names import (
     FINGERPRINT_MODES,
     KV_CACHE_TYPES,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import barreld
-from barreld.http.address import ListenAddress, parse_listen
+from barreld.address import ListenAddress, parse_listen
 from barreld.paths import SOCKET_ENV, default_socket, private_dir
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from typing import Any
 import openai
 import pytest
 
+from barreld.address import parse_listen
 from barreld.cache import CacheStore, TierConfig
 from barreld.engine.backend import BackendError
 from barreld.engine.registry import LoadOptions, ModelRegistry
-from barreld.http.address import parse_listen
 from barreld.http.app import MAX_BODY, DaemonState, HttpApi
 from barreld.http.server import HttpServer
 from barreld.server.metrics import Metrics

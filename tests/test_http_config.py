@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from barrelctl.sandbox import Sandbox
+from barreld.address import ListenAddress, load_api_keys, parse_listen
 from barreld.config import ConfigError, load_config
-from barreld.http.address import ListenAddress, load_api_keys, parse_listen
 
 ROOT = Path(__file__).resolve().parents[1]
 

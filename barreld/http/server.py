@@ -13,7 +13,7 @@ import time
 import uvicorn
 from starlette.types import ASGIApp
 
-from barreld.http.address import ListenAddress
+from barreld.address import ListenAddress
 from barreld.server.daemon import StartupError, prepare_socket
 
 log = logging.getLogger(__name__)
