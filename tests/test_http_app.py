@@ -23,9 +23,9 @@ from barreld.address import parse_listen
 from barreld.cache import CacheStore, TierConfig
 from barreld.engine.backend import BackendError
 from barreld.engine.registry import LoadOptions, ModelRegistry
+from barreld.frontend.metrics import Metrics
 from barreld.http.app import MAX_BODY, DaemonState, HttpApi
 from barreld.http.server import HttpServer
-from barreld.server.metrics import Metrics
 from tests.engine.conftest import POLICY, plain
 from tests.fakes.backend import FakeBackend, write_gguf
 

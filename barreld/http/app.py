@@ -1,5 +1,5 @@
 """The Starlette app: OpenAI's and Anthropic's routes under /v1, /health and /metrics, over the same registry,
-workers and error rules as the gRPC servicer (barreld.server.frontend); each route only translates shapes.
+workers and error rules as the gRPC servicer (barreld.frontend.calls); each route only translates shapes.
 
 A completion waits for the worker's first event before it answers, so a request refused at start (prompt
 longer than the context, unknown model, full queue) gets its own status instead of a 200 with an error in
@@ -28,10 +28,10 @@ from starlette.routing import Route
 from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import Done, Started, Token
 from barreld.errors import InvalidArgument, Unavailable
+from barreld.frontend.calls import Call, Deliver, Outcome, check_model_name, client_error, start_call
+from barreld.frontend.metrics import CONTENT_TYPE, Metrics
 from barreld.http.anthropic import PING, MessagesReply, error_doc, event, parse_messages
 from barreld.http.openai import DONE_LINE, ApiRequest, Reply, parse_request
-from barreld.server.frontend import Call, Deliver, Outcome, check_model_name, client_error, start_call
-from barreld.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from barreld.engine.request import Alternative, CompletionParams, Done, Started,
 from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.engine.tools import CHOICES, CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.server.frontend import completion_params, constraint
+from barreld.frontend.calls import completion_params, constraint
 
 COMPLETIONS_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 0.0

@@ -14,10 +14,10 @@ from barreld.deaths import Death, RunRecord, cause_of_death, remove_record
 from barreld.engine.decodecheck import DecodeCheck
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import BarrelError
+from barreld.frontend.metrics import Metrics
 from barreld.pressure.scheduler import PressureScheduler
 from barreld.pressure.sources import make_source
 from barreld.server.daemon import DataDirLock, GrpcServer, ShutdownSignal, StartupError, notify_systemd
-from barreld.server.metrics import Metrics
 from barreld.server.servicer import Servicer
 
 if TYPE_CHECKING:

@@ -19,10 +19,7 @@ from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES
-from barreld.rpc import barrel_pb2 as pb
-from barreld.rpc import barrel_pb2_grpc as pb_grpc
-from barreld.server.frontend import (
+from barreld.frontend.calls import (
     check_model_name,
     completion_params,
     constraint,
@@ -30,12 +27,15 @@ from barreld.server.frontend import (
     show,
     start_call,
 )
+from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES
+from barreld.rpc import barrel_pb2 as pb
+from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.status import rpc
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
     from barreld.cache.remote.tier import RemoteTier
-    from barreld.server.metrics import Metrics
+    from barreld.frontend.metrics import Metrics
 
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32

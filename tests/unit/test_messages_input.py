@@ -13,8 +13,8 @@ from barrelctl.errors import CliError
 from barrelctl.sandbox import Sandbox
 from barreld.engine.chat import Message
 from barreld.errors import InvalidArgument
+from barreld.frontend.calls import MAX_TEMPLATE
 from barreld.rpc import barrel_pb2 as pb
-from barreld.server.frontend import MAX_TEMPLATE
 from barreld.server.servicer import grpc_params
 
 BAD_FILES = [

@@ -22,7 +22,7 @@ from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
 from barreld.names import MODEL_NAME_MAX, stops_problem
 
 if TYPE_CHECKING:
-    from barreld.server.metrics import Metrics
+    from barreld.frontend.metrics import Metrics
 
 MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
 SHOWN = 80
