@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import barreld
 from barreld.address import ListenAddress, parse_listen
+from barreld.lifecycle import StartupError
 from barreld.paths import SOCKET_ENV, default_socket, private_dir
 
 if TYPE_CHECKING:
@@ -91,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, http=dataclasses.replace(config.http, listen=args.http))
     # The server (gRPC, numpy, llama.cpp) is imported once the config is known to be good: a bad one
     # is reported without that cost.
-    from barreld.server.daemon import StartupError
-
     try:
         return run(args, config, config_path)
     except StartupError as exc:
@@ -102,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, config: Config, config_path: Path) -> int:
     from barreld.server.app import Daemon
-    from barreld.server.daemon import StartupError
 
     data_dir = config.data_dir
     socket = args.socket or (config.socket if config.socket and not os.environ.get(SOCKET_ENV) else default_socket())

@@ -297,8 +297,8 @@ def test_every_environment_variable_is_documented() -> None:
 
 
 def test_barreld_8_signals_exit_statuses_and_files() -> None:
+    from barreld.lifecycle import LOCK_NAME
     from barreld.paths import SYSTEM_SOCKET
-    from barreld.server.daemon import LOCK_NAME
 
     sections = man_sections(MAN8)
     signals = section(sections, "SIGNALS")

@@ -14,7 +14,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from barreld.address import ListenAddress
-from barreld.server.daemon import StartupError, prepare_socket
+from barreld.lifecycle import StartupError, prepare_socket
 
 log = logging.getLogger(__name__)
 

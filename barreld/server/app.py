@@ -15,9 +15,10 @@ from barreld.engine.decodecheck import DecodeCheck
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import BarrelError
 from barreld.frontend.metrics import Metrics
+from barreld.lifecycle import DataDirLock, ShutdownSignal, StartupError, notify_systemd
 from barreld.pressure.scheduler import PressureScheduler
 from barreld.pressure.sources import make_source
-from barreld.server.daemon import DataDirLock, GrpcServer, ShutdownSignal, StartupError, notify_systemd
+from barreld.server.grpc_server import GrpcServer
 from barreld.server.servicer import Servicer
 
 if TYPE_CHECKING:
