@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from barrelctl.client import Client, Token
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 
 console = Console()
 WORDS = "river stone garden window letter morning silver the of and to in a is that for it as was".split()

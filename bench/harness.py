@@ -1,7 +1,7 @@
 """What every bench needs: private barreld processes driven through barrelctl's client, prompts of a given
 token length, progress lines, and a description of the machine.
 
-A `Daemon` runs in a barrelctl.sandbox.Sandbox (its own XDG dirs, data dir, ram_file root under /dev/shm,
+A `Daemon` runs in a tests.support.sandbox.Sandbox (its own XDG dirs, data dir, ram_file root under /dev/shm,
 config file and socket), as the tests do, so a bench never touches a user's cache.
 """
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from barrelctl.client import Client, Completion
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 
 # llama.cpp's CPU backend here is built with OpenMP. libgomp's default spin-wait (300,000 spins at every
 # barrier) makes a two-thread decode that shares two cores with other jobs burn its CPU share spinning:

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from barrelctl.client import Completion
-from barrelctl.sandbox import Sandbox
-from barrelctl.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 from bench.harness import Tokenizer, machine, median, model_path, progress
 from bench.report import Table, ms, pct, put_section, times
 from bench.traces import FULL_STEPS, QUICK_STEPS, Agent, agent_system, reply_text
+from tests.support.sandbox import Sandbox
+from tests.support.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 
 SECTION = "memory_kinds"
 WARM = "[policy]\nmin_tokens = 256\ncold_min_tokens = 256\nboundary_align_tokens = 256\n"

@@ -27,12 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from barrelctl.redis_sandbox import RedisServer  # noqa: E402
 from bench.blocks import AGENT_STEPS, STATE_BYTES_PER_TOKEN, STRIDE, Trie, agent_prompts, drive  # noqa: E402
 from bench.harness import Daemon, Tokenizer, machine, median, progress  # noqa: E402
 from bench.redis_warm import mirrored, redis_stats  # noqa: E402
 from bench.report import Table, put_section, verdict  # noqa: E402
 from bench.traces import reply_text  # noqa: E402
+from tests.support.redis_sandbox import RedisServer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "redis_blocks"

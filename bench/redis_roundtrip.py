@@ -17,12 +17,12 @@ import sys
 import time
 from collections.abc import Callable
 
-from barrelctl.redis_sandbox import RedisServer
 from barreld.cache.remote.redis import RedisStore
 from barreld.cache.remote.settings import RedisSettings
 from barreld.sizes import format_size, parse_size
 from bench.harness import machine, progress
 from bench.report import Table
+from tests.support.redis_sandbox import RedisServer
 
 
 def timed(reps: int, op: Callable[[], object]) -> list[float]:

@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from barrelctl.redis_sandbox import RedisServer
 from barreld.names import SAVE_REASONS
 from bench.harness import Daemon, Tokenizer, machine, median, progress
 from bench.report import Table, frac, ms, put_section, verdict
+from tests.support.redis_sandbox import RedisServer
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 TARGET = 20  # warm from Redis at most 1/TARGET of cold

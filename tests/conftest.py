@@ -1,4 +1,4 @@
-"""Fixtures that run the real barreld and barrelctl as processes, each in its own sandbox (barrelctl.sandbox):
+"""Fixtures that run the real barreld and barrelctl as processes, each in its own sandbox (tests.support.sandbox):
 private XDG directories, data dir, ram_file root and socket, so tests never touch a user's cache."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from barrelctl.redis_sandbox import RedisServer
-from barrelctl.sandbox import Sandbox
+from tests.support.redis_sandbox import RedisServer
+from tests.support.sandbox import Sandbox
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import anthropic
 import jsonschema
 import pytest
 
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import CHUNK, POLICY, doc
 from tests.test_http import Daemon
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from barrelctl.client import Completion
-from barrelctl.sandbox import Sandbox
-from barrelctl.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 from barreld.engine.registry import bundled_model_path
+from tests.support.sandbox import Sandbox
+from tests.support.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 
 pytestmark = pytest.mark.model
 

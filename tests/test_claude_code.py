@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from barrelctl.sandbox import Sandbox
-from barrelctl.sandbox_models import gemma_path
+from tests.support.sandbox import Sandbox
+from tests.support.sandbox_models import gemma_path
 from tests.test_http import Daemon
 from tests.unit.test_tool_formats import dialogue_template
 

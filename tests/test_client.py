@@ -9,7 +9,7 @@ import pytest
 
 from barrelctl.client import Client
 from barrelctl.errors import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, ClientError
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 
 
 def test_no_daemon_is_unavailable_with_exit_3(tmp_path: Path) -> None:

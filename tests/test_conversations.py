@@ -19,9 +19,9 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from barrelctl.sandbox import Sandbox
-from barrelctl.sandbox_models import gemma_path
 from barreld.engine.chat import Message
+from tests.support.sandbox import Sandbox
+from tests.support.sandbox_models import gemma_path
 
 pytestmark = pytest.mark.model
 

@@ -12,10 +12,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from barrelctl.sandbox_models import gemma_path
 from barreld.engine.backend import BackendError, BatchItem
 from barreld.engine.llama_backend import ContextSettings, LlamaBackend
 from barreld.engine.registry import bundled_model_path
+from tests.support.sandbox_models import gemma_path
 
 pytestmark = pytest.mark.model
 PROMPT = b"The quick brown fox jumps over the lazy dog. " * 6

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import POLICY
 
 pytestmark = pytest.mark.model

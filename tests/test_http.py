@@ -18,8 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from barrelctl.sandbox import Sandbox
 from barreld.engine.registry import bundled_model_path
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import CHUNK, NO_SAVES, POLICY, doc
 
 pytestmark = pytest.mark.model

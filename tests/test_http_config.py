@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from barrelctl.sandbox import Sandbox
 from barreld.address import ListenAddress, load_api_keys, parse_listen
 from barreld.config import ConfigError, load_config
+from tests.support.sandbox import Sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 

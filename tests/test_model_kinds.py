@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from barrelctl.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 from barreld.engine.backend import BatchItem
 from barreld.engine.llama_backend import ContextSettings, LlamaBackend
 from barreld.engine.registry import bundled_model_path
+from tests.support.sandbox_models import gemma_path, tiny_hybrid_path, tiny_recurrent_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -297,7 +297,7 @@ def test_flash_attention_is_exact_only_at_the_same_split(kind: str) -> None:
 
 def test_tiny_models_are_built_once_byte_for_byte_even_by_racing_processes(tmp_path: Path) -> None:
     build = (
-        "from barrelctl.sandbox_models import tiny_recurrent_path, tiny_hybrid_path as h;"
+        "from tests.support.sandbox_models import tiny_recurrent_path, tiny_hybrid_path as h;"
         " print(tiny_recurrent_path(), h())"
     )
 

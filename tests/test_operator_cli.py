@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from barrelctl.sandbox import Run, Sandbox
 from barreld.names import TIER_NAMES
+from tests.support.sandbox import Run, Sandbox
 from tests.test_cache_paths import POLICY, doc
 
 needs_model = pytest.mark.model   # the rest run barreld without loading a model

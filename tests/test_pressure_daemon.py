@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import POLICY, complete, doc
 
 pytestmark = pytest.mark.model

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from barrelctl.redis_sandbox import RedisServer
-from barrelctl.sandbox import Sandbox
 from barreld.cache.remote.redis import RedisStore
 from barreld.cache.remote.settings import RedisSettings
 from barreld.cache.remote.tier import RemoteTier
 from tests.cache.conftest import SCHEME, make_ckpt
+from tests.support.redis_sandbox import RedisServer
+from tests.support.sandbox import Sandbox
 
 pytestmark = pytest.mark.slow  # three daemons
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from barrelctl.redis_sandbox import ClusterSandbox
-from barrelctl.sandbox import Sandbox
+from tests.support.redis_sandbox import ClusterSandbox
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import CHUNK, complete, doc
 from tests.test_redis_hosts import cold_host, local_rows, served, settle, two_hosts, warm_starts
 

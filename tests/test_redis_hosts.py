@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from barrelctl.redis_sandbox import ClusterSandbox, RedisServer
-from barrelctl.sandbox import Sandbox
 from barreld.names import SAVE_REASONS
+from tests.support.redis_sandbox import ClusterSandbox, RedisServer
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import NO_SAVES, POLICY, complete, doc
 
 pytestmark = pytest.mark.model

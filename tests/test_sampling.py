@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from barrelctl.client import Completion
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import NO_SAVES, POLICY, doc
 from tests.test_http import MODEL, Daemon
 

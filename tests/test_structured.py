@@ -17,7 +17,7 @@ import pytest
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 from tests.test_cache_paths import NO_SAVES
 from tests.test_http import MODEL, Daemon
 

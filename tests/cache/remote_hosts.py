@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from barrelctl.redis_sandbox import RedisServer
 from barreld.cache import CacheStore, Checkpoint, TierConfig
 from barreld.cache.remote.redis import RedisStore
 from barreld.cache.remote.settings import RedisSettings
 from barreld.cache.remote.tier import RemoteTier
+from tests.support.redis_sandbox import RedisServer
 
 MiB = 1 << 20
 Host = Callable[..., CacheStore]

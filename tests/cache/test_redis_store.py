@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 from redis.crc import key_slot
 
-from barrelctl.redis_sandbox import RedisServer
 from barreld.cache.remote.redis import HEADER, ROW_KIND, RedisStore
 from barreld.cache.remote.settings import RedisSettings
+from tests.support.redis_sandbox import RedisServer
 
 PASSWORD = "s3cret-Pa55word"
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from barrelctl.redis_sandbox import RedisServer
 from barreld.cache.remote.redis import HEADER, ROW_KIND, Ref
 from barreld.cache.remote.tier import BLOCK_KIND
 from barreld.frontend.metrics import Metrics
 from tests.cache.conftest import SCHEME
 from tests.cache.remote_hosts import Host, publish, restored
 from tests.cache.test_blocks import B, ckpt, state
+from tests.support.redis_sandbox import RedisServer
 
 
 def block_names(redis_server: RedisServer) -> list[bytes]:

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from barrelctl.redis_sandbox import ClusterSandbox
 from barreld.cache import CacheStore, Checkpoint
 from barreld.cache.remote.redis import ROW_KIND, Ref
 from barreld.cache.remote.tier import BLOCK_KIND, CKPT_KIND
 from tests.cache.conftest import SCHEME
 from tests.cache.remote_hosts import Host, publish, restored
 from tests.cache.test_blocks import B, ckpt
+from tests.support.redis_sandbox import ClusterSandbox
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from barrelctl.redis_sandbox import RedisServer
 from barreld.cache.remote.redis import ROW_KIND, Ref
 from barreld.cache.remote.tier import ALIAS_KIND, CKPT_KIND
 from tests.cache.conftest import SCHEME, make_ckpt
 from tests.cache.remote_hosts import Host, publish, restored
+from tests.support.redis_sandbox import RedisServer
 
 
 def test_host_b_restores_host_a_checkpoint_and_promotes_it(host: Host) -> None:

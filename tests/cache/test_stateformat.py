@@ -513,11 +513,11 @@ def test_gemma_state_at_k_from_blocks_of_a_longer_state_and_the_window_captured_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Recurrent and hybrid: tiny models built by barrelctl.sandbox_models
+# Recurrent and hybrid: tiny models built by tests.support.sandbox_models
 
 
 def tiny_model(name: str) -> Path:
-    from barrelctl import sandbox_models
+    from tests.support import sandbox_models
 
     return getattr(sandbox_models, name)()
 

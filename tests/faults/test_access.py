@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from barrelctl.sandbox import Sandbox
 from barreld.engine.registry import bundled_model_path
+from tests.support.sandbox import Sandbox
 
 from . import util
 from .util import complete, doc

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from barrelctl.client import Completion
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 
 from . import util
 from .util import complete, counters, doc, rows

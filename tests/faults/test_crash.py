@@ -13,8 +13,8 @@ import time
 from collections import Counter
 
 from barrelctl.errors import ClientError
-from barrelctl.sandbox import Sandbox
 from barreld.rpc import barrel_pb2 as pb
+from tests.support.sandbox import Sandbox
 
 from . import util
 from .util import POLICY, complete, rows

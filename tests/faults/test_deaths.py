@@ -17,8 +17,8 @@ from pathlib import Path
 
 from gguf import GGUFReader
 
-from barrelctl.sandbox import Sandbox
 from barreld.engine.registry import bundled_model_path
+from tests.support.sandbox import Sandbox
 
 from . import util
 

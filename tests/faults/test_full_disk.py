@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from barrelctl.client import Completion
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 
 from . import util
 from .util import complete, counters, doc, rows

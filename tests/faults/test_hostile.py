@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from barrelctl.client import Client
 from barrelctl.errors import ClientError
-from barrelctl.sandbox import Sandbox
 from barreld.rpc import barrel_pb2 as pb
+from tests.support.sandbox import Sandbox
 
 from . import util
 from .util import complete, doc

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from barrelctl.client import Client
 from barrelctl.errors import ClientError
-from barrelctl.sandbox import Sandbox
+from tests.support.sandbox import Sandbox
 
 from . import util
 from .util import counters, doc

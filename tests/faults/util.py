@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from barrelctl.client import Client, Completion
-from barrelctl.sandbox import Sandbox
 from barreld.rpc import barrel_pb2 as pb
+from tests.support.sandbox import Sandbox
 
 # Checkpoints as chains of 128-token blocks (the prefill chunk at n_batch 512), shared between the rows of
 # one prompt and its continuations.

@@ -10,12 +10,12 @@ import pytest
 
 from barrelctl.conversation import parse_messages, write_messages
 from barrelctl.errors import CliError
-from barrelctl.sandbox import Sandbox
 from barreld.engine.chat import Message
 from barreld.errors import InvalidArgument
 from barreld.frontend.calls import MAX_TEMPLATE
 from barreld.rpc import barrel_pb2 as pb
 from barreld.server.servicer import grpc_params
+from tests.support.sandbox import Sandbox
 
 BAD_FILES = [
     (b"[{'role': 'user'}]", "not JSON (Expecting property name enclosed in double quotes: line 1 column 3"),

@@ -3,7 +3,7 @@
 A sandbox has its own XDG directories (so its own socket, index, disk tier and config file), its own
 ram_file root under /dev/shm, and a short socket path (a Unix socket path holds about 107 bytes). The
 daemons and barrelctl processes it starts run the code this module belongs to: their PYTHONPATH names the
-directory that holds the barrelctl package, so a checkout's tests run that checkout.
+checkout that holds it (and barreld, barrelctl), so a checkout's tests run that checkout.
 
     with Sandbox.new('[policy]\\nmin_tokens = 128\\n') as box:
         box.start_daemon()
@@ -28,7 +28,7 @@ from typing import Any
 from barrelctl.client import Client
 from barrelctl.errors import ClientError
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/support/sandbox.py
 
 
 @dataclass
