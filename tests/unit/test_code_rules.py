@@ -1,12 +1,17 @@
 """Rules a reviewer would otherwise check by hand, so that a newcomer's change is told at once.
 
 Short functions, docstrings that state facts instead of pointing at documents a user of the repository does
-not have, and the domain's names defined in one place (`barreld.names`)."""
+not have, the domain's names defined in one place (`barreld.names`), and imports that point down one declared
+order of layers, with no cycle, so the tree drawn from the imports is the one the README's code map shows."""
 
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -61,3 +66,200 @@ def test_each_domain_name_is_defined_once(definition: str) -> None:
     pattern = re.compile(definition)
     found = [str(p.relative_to(ROOT)) for p in sources(*PACKAGES) if pattern.search(p.read_text())]
     assert found == ["barreld/names.py"], f"import it from barreld.names instead: {found}"
+
+
+# ---- imports: layers ------------------------------------------------------------------------------------
+# A package (or a top-level module) of barreld may import only from the layers below its own; the bottom layer's
+# leaves may also import each other. Bottom first.
+LAYERS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
+    # leaves: names, errors, paths, the listen address, the process lifecycle, the generated RPC code
+    ("barreld", "barreld.names", "barreld.errors", "barreld.sizes", "barreld.paths", "barreld.deaths",
+     "barreld.address", "barreld.lifecycle", "barreld.rpc"),
+    ("barreld.cache", "barreld.pressure"),  # the cache core (plain Python); memory pressure readings
+    ("barreld.engine",),  # llama.cpp, the lookup routes, the save policy, sampling
+    ("barreld.config", "barreld.frontend"),  # the config file; what both front ends share
+    ("barreld.http",),  # the HTTP front end
+    ("barreld.server",),  # the gRPC front end, and the Daemon that wires both front ends
+    ("barreld.main", "barreld.supervise"),  # barreld's command line and its watcher
+    ("barreld.__main__",),
+    ("barrelctl",),  # a client: of barreld it imports CLIENT_PIECES only
+)))  # fmt: skip
+# What barrelctl may import from barreld: the generated RPC code and pure pieces the daemon and the CLI share.
+CLIENT_PIECES = frozenset({
+    "barreld", "barreld.rpc.barrel_pb2", "barreld.rpc.barrel_pb2_grpc", "barreld.names", "barreld.errors",
+    "barreld.sizes", "barreld.paths", "barreld.deaths", "barreld.engine.chat", "barreld.engine.tools",
+    "barreld.engine.divergence", "barreld.engine.sampling", "barreld.engine.grammar",
+})  # fmt: skip
+# Libraries that belong to one layer: the cache core imports neither llama.cpp nor gRPC, the shared front-end
+# code neither gRPC nor the web stack.
+CONFINED = {
+    "llama_cpp": ("barreld.engine",),
+    "grpc": ("barreld.server", "barreld.rpc", "barrelctl"),
+    "google": ("barreld.server", "barreld.rpc", "barrelctl"),
+    "grpc_tools": ("barreld.rpc",),
+    "starlette": ("barreld.http",),
+    "uvicorn": ("barreld.http",),
+    "anyio": ("barreld.http",),
+}
+TEST_SUPPORT = ("tests", "bench")
+
+
+@dataclass(frozen=True)
+class Import:
+    path: Path
+    line: int
+    importer: str
+    imported: str  # a module of barreld or barrelctl where it is one, else the name as written
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}: {self.importer} imports {self.imported}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit(module: str) -> str:
+    """The package (or top-level module) a module belongs to: what LAYERS places."""
+    parts = module.split(".")
+    return "barrelctl" if parts[0] == "barrelctl" else ".".join(parts[:2])
+
+
+def layer(module: str) -> int:
+    found = [i for i, names in enumerate(LAYERS) if unit(module) in names]
+    assert found, f"{unit(module)} has no place in LAYERS: add it where it belongs"
+    return found[0]
+
+
+def _named(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool) -> list[str]:
+    """The modules one import statement names: `from a import b` names a.b where that is a module, else a."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = importer if is_package else importer.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    module = ".".join(p for p in ((base if node.level else ""), node.module or "") if p)
+    return [f"{module}.{a.name}" if f"{module}.{a.name}" in modules() else module for a in node.names]
+
+
+@cache
+def modules() -> frozenset[str]:
+    """Every module, the generated ones too: what an import may name."""
+    return frozenset(module_name(p) for r in PACKAGES for p in (ROOT / r).rglob("*.py"))
+
+
+@cache
+def imports() -> tuple[Import, ...]:
+    """Every import in barreld and barrelctl: at module level, in functions, under TYPE_CHECKING alike."""
+    found = []
+    for path in sources(*PACKAGES):
+        importer = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = _named(node, importer, path.name == "__init__.py")
+                found += [Import(path, node.lineno, importer, n) for n in dict.fromkeys(names) if n != importer]
+    return tuple(found)
+
+
+def ours(found: Import) -> bool:
+    return found.imported.split(".")[0] in PACKAGES
+
+
+def test_the_import_rules_see_the_imports() -> None:
+    assert sum(map(ours, imports())) > 200
+
+
+def test_every_package_has_one_layer() -> None:
+    placed = [name for names in LAYERS for name in names]
+    present = {unit(m) for m in modules()}
+    assert len(placed) == len(set(placed)), f"placed twice: {sorted({n for n in placed if placed.count(n) > 1})}"
+    assert present <= set(placed), f"add these to LAYERS, where they belong: {sorted(present - set(placed))}"
+    assert set(placed) <= present, f"LAYERS names what no longer exists: {sorted(set(placed) - present)}"
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = [
+        f"{i}: layer {layer(i.importer)} ({unit(i.importer)}) may not import from layer {layer(i.imported)} "
+        f"({unit(i.imported)})"
+        for i in imports()
+        if ours(i) and unit(i.importer) != unit(i.imported) and 0 < layer(i.importer) <= layer(i.imported)
+    ]
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph as its nodes in order (the first repeated at the end), or [] if it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    return next((found for node in sorted(edges) if node not in state and (found := visit(node))), [])
+
+
+def test_no_cycle_between_packages() -> None:
+    edges: dict[str, set[str]] = {}
+    for i in filter(ours, imports()):
+        if unit(i.importer) != unit(i.imported):
+            edges.setdefault(unit(i.importer), set()).add(unit(i.imported))
+    cycle = _cycle(edges)
+    witnesses = [
+        next(str(i) for i in imports() if ours(i) and (unit(i.importer), unit(i.imported)) == (a, b))
+        for a, b in zip(cycle, cycle[1:], strict=False)
+    ]
+    assert not cycle, f"a cycle: {' -> '.join(cycle)}, through\n" + "\n".join(witnesses)
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the search finds one
+
+
+def test_the_cli_imports_only_client_pieces_of_barreld() -> None:
+    """And those pieces import only each other, so `barrelctl` never loads the engine, the cache or a server."""
+    wrong = [
+        str(i)
+        for i in imports()
+        if i.imported.split(".")[0] == "barreld"
+        and (unit(i.importer) == "barrelctl" or i.importer in CLIENT_PIECES)
+        and i.imported not in CLIENT_PIECES
+    ]
+    assert not wrong, "barrelctl reaches past the client pieces of barreld:\n" + "\n".join(wrong)
+
+
+def test_libraries_stay_in_their_layer() -> None:
+    wrong = [
+        f"{i}: only {', '.join(CONFINED[top])} may"
+        for i in imports()
+        if (top := i.imported.split(".")[0]) in CONFINED and unit(i.importer) not in CONFINED[top]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_what_is_installed_leaves_the_test_support_out() -> None:
+    """Nothing in barreld or barrelctl imports tests/ (the sandboxes) or bench/, and the wheel ships neither."""
+    wrong = [str(i) for i in imports() if i.imported.split(".")[0] in TEST_SUPPORT]
+    assert not wrong, "move what these need into the package, or the import into the tests:\n" + "\n".join(wrong)
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    support = [module_name(p.parent) for r in TEST_SUPPORT for p in (ROOT / r).rglob("__init__.py")]
+    assert support, "the test support has packages to leave out"
+    assert not [s for s in support if any(fnmatchcase(s, pattern) for pattern in shipped["include"])]
+
+
+def test_the_readme_code_map_names_files_that_exist_in_layer_order() -> None:
+    """The map reads from the CLI down to the cache core: no line of it sits above a layer it imports."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## How it is built", 1)[1].split("```", 2)[1]
+    paths = [line.split()[0] for line in block.splitlines() if line.startswith(PACKAGES)]
+    assert len(paths) > 10, "the code map is where this test looks for it"
+    missing = [p for p in paths if not list(ROOT.glob(p))]
+    assert not missing, f"no such files: {missing}"
+    ranks = [layer(module_name(ROOT / p.replace("*", "x"))) for p in paths]
+    assert ranks == sorted(ranks, reverse=True), f"out of the layers' order: {list(zip(paths, ranks, strict=True))}"
