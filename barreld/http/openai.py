@@ -59,7 +59,7 @@ class ApiRequest:
     messages: tuple[Message, ...]
     max_tokens: int | None
     sampling: SamplingParams  # without its grammar, which `params` adds off the event loop
-    constraint: tuple[str, object, bool]  # GBNF, JSON schema, any JSON object: frontend.constraint's arguments
+    constraint: tuple[str, object, bool]  # GBNF, JSON schema, any JSON object: calls.constraint's arguments
     logprobs: int | None  # None: not asked for; N: N alternatives per token
     stop: tuple[str, ...]
     parent_key: str
