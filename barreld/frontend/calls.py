@@ -7,6 +7,7 @@ No gRPC or HTTP import here: each front end turns these values and errors into i
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from barreld.names import MODEL_NAME_MAX, stops_problem
 
 if TYPE_CHECKING:
     from barreld.frontend.metrics import Metrics
+
+log = logging.getLogger("barreld.requests")
 
 MAX_TEMPLATE = 256 << 10  # the largest templates models ship (tool-calling ones) are tens of KiB
 SHOWN = 80
@@ -139,6 +142,14 @@ Deliver = Callable[["Call", Outcome], None]
 """Takes a call's events on the worker's thread, in order (the HTTP API passes them to its event loop)."""
 
 
+def log_done(api: str, model: str, done: Done) -> None:
+    """One line per ended request, as the operator reads a server's log: what the cache gave and what it cost."""
+    c, t = done.cache, done.timings
+    log.info("%s %s: %s, %d of %d prompt tokens restored%s, %d generated, ttft %.0f ms, total %.0f ms, %s",
+             api, model, c.route, c.restored_tokens, done.prompt_tokens, f" from {c.tier}" if c.tier else "",
+             done.completion_tokens, t.ttft, t.total, done.finish_reason)
+
+
 class Call:
     """One completion in flight. Iterating yields its Started and Token events and ends with Done; a
     failure raises the worker's error. `cancel()` (the client went away) makes the worker stop generating
@@ -170,6 +181,7 @@ class Call:
             self.done = ev
             if self.metrics is not None:
                 self.metrics.finished(self.api, self.model.name, ev)
+            log_done(self.api, self.model.name, ev)
         return ev
 
     def next_event(self) -> Started | Token | Done:
