@@ -86,6 +86,7 @@ def model_json(m) -> dict:
         "error": m.error,
         "aliases": list(m.aliases),
         "stop": list(m.stop),
+        "tool_format": m.tool_format,
     }
 
 

@@ -18,6 +18,7 @@ from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.sampling import KNOBS, SamplingParams
+from barreld.engine.tools import format_of
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from barreld.frontend.calls import (
     check_model_name,
@@ -147,6 +148,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         prefill_chunk=m.memory.chunk,
         aliases=list(m.options.aliases),
         stop=list(m.options.stop),
+        tool_format=format_of(m.worker.backend.chat_template).name,
     )
 
 

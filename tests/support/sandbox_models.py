@@ -75,6 +75,7 @@ class TinySpec:
     n_layer: int = 4
     seed: int = 1
     n_ctx_train: int = 4096
+    chat_template: str = ""  # in place of SmolLM2's, which the tokenizer keys bring along
 
     def file_name(self) -> str:
         digest = hashlib.sha256(json.dumps([BUILD_VERSION, asdict(self)]).encode()).hexdigest()[:12]
@@ -90,6 +91,11 @@ def tiny_recurrent_path() -> Path:
     return _made_once(cache_dir() / RECURRENT.file_name(), lambda temp: _write_tiny(RECURRENT, temp))
 
 
+def tiny_path(spec: TinySpec) -> Path:
+    """A tiny model of any spec, made once (e.g. a recurrent one carrying another family's chat template)."""
+    return _made_once(cache_dir() / spec.file_name(), lambda temp: _write_tiny(spec, temp))
+
+
 def tiny_hybrid_path() -> Path:
     """A tiny LFM2 model: short-convolution (recurrent) layers with attention layers between them."""
     return _made_once(cache_dir() / HYBRID.file_name(), lambda temp: _write_tiny(HYBRID, temp))
@@ -100,7 +106,7 @@ def _write_tiny(spec: TinySpec, out: Path) -> None:
 
     rng = np.random.default_rng(spec.seed)
     w = gguf.GGUFWriter(out, spec.arch)
-    n_vocab = _copy_tokenizer(w)
+    n_vocab = _copy_tokenizer(w, spec.chat_template)
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layer)
@@ -125,9 +131,9 @@ def _ones(n: int) -> np.ndarray:
     return np.ones(n, dtype=np.float32)
 
 
-def _copy_tokenizer(w) -> int:
+def _copy_tokenizer(w, chat_template: str = "") -> int:
     """Copies SmolLM2's tokenizer.* keys (so tokenize, detokenize and the chat template behave as on the real
-    model) and returns the vocabulary size.
+    model), its chat template replaced by `chat_template` when one is given, and returns the vocabulary size.
 
     Read with Barrel's own bounds-checked GGUF reader: gguf.GGUFReader builds a memmap view per value and
     takes over 20 s on SmolLM2's 98,000 vocabulary strings on two busy cores.
@@ -145,6 +151,8 @@ def _copy_tokenizer(w) -> int:
                 value = [_gguf_scalar(r, sub) for _ in range(count)]
             else:
                 sub, value = None, _gguf_scalar(r, vtype)
+            if name == "tokenizer.chat_template" and chat_template:
+                value = chat_template
             if name.startswith("tokenizer."):
                 w.add_key_value(name, value, gguf.GGUFValueType(vtype), sub and gguf.GGUFValueType(sub))
             if name == "tokenizer.ggml.tokens":
