@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from barrelctl.errors import EXIT_USAGE, CliError
-from barreld.engine.sampling import KNOBS, SamplingParams
+from barreld.engine.sampling import KNOBS, MAX_SEED, SamplingParams
 from barreld.errors import InvalidArgument
 
 SPECS: tuple[tuple[str, Any, str | None, str], ...] = (  # name, type, metavar, help
@@ -45,8 +45,8 @@ def check_sampling(max_tokens: int, temperature: float, seed: int | None) -> Non
         raise CliError(f"bad --max-tokens {max_tokens}: must be at least 1", EXIT_USAGE)
     if temperature < 0:
         raise CliError(f"bad --temperature {temperature}: must be >= 0", EXIT_USAGE)
-    if seed is not None and not 0 <= seed < 2**32:
-        raise CliError(f"bad --seed {seed}: expected 0..4294967295", EXIT_USAGE)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise CliError(f"bad --seed {seed}: expected 0..{MAX_SEED}", EXIT_USAGE)
 
 
 def with_sampling(command: Callable[..., None]) -> Callable[..., None]:

@@ -119,6 +119,10 @@ def explain_after_a_restart(world: Sandbox) -> None:
 def test_seeded_sampling_repeats_and_chat_uses_the_template(served: Sandbox) -> None:
     args = ("complete", "Name a colour.", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7", "--json")
     assert served.ctl(*args).json()["text"] == served.ctl(*args).json()["text"]
+    wide = (*args[:-2], str(2**64 - 1), "--json")  # the seed range every route takes, the CLI's too
+    assert served.ctl(*wide).json()["text"] == served.ctl(*wide).json()["text"]
+    beyond = served.ctl(*args[:-2], str(2**64), "--json")
+    assert beyond.rc == 2 and f"expected 0..{2**64 - 1}" in beyond.err
     chat = served.ctl("--json", "complete", "--chat", "What is 2+2?", "--max-tokens", "16").json()
     plain = served.ctl("--json", "complete", "What is 2+2?", "--max-tokens", "16").json()
     assert chat["tokens"]["prompt"] > plain["tokens"]["prompt"] + 10   # the template's system and role markers

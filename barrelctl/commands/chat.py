@@ -158,7 +158,7 @@ def chat_run(
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per reply (1..n_ctx).")] = 512,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")] = 0.0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..4294967295).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..2**64-1).")] = None,
     sampling: dict[str, Any] | None = None,
 ) -> None:
     """Hold a conversation: each line you type is a user message, the reply streams back."""

@@ -78,7 +78,7 @@ def complete_run(
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate (1..n_ctx).")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="Sampling temperature; 0 is greedy.")] = 0.0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..4294967295).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed (0..2**64-1).")] = None,
     stop: Stop = None,
     parent_key: ParentKey = None,
     chat: Annotated[
