@@ -33,6 +33,8 @@ from barreld.names import (
     PLAIN_KV_TYPES,
     REDIS_TIER,
     TIER_NAMES,
+    Fingerprint,
+    FingerprintMode,
     alias_problem,
     model_name_problem,
     stops_problem,
@@ -96,8 +98,7 @@ class ModelConfig:
     n_ctx: int | None = None
     n_batch: int | None = None
     n_seq_max: int | None = None
-    fingerprint: str | None = None
-    fingerprint_digest: str | None = None  # the operator's digest, with fingerprint = "fast_unsafe"
+    fingerprint: Fingerprint | None = None  # its mode, and the operator's digest with fast_unsafe
     policy: Policy = field(default_factory=Policy)  # the daemon's [policy] with this model's table applied
     n_threads: int | None = None
     n_gpu_layers: int | None = None
@@ -110,8 +111,10 @@ class ModelConfig:
     stop: tuple[str, ...] | None = None  # where the model's turn ends in a chat, beyond its end-of-turn token
 
     def knobs(self) -> dict[str, Any]:
-        """The context knobs this entry sets, by LoadOptions' names (the others keep their defaults)."""
-        names = ("n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "chat_template", "stop")
+        """What this entry sets, by LoadOptions' names: the others keep the registry's defaults, written once
+        there."""
+        names = ("path", "tier", "n_ctx", "n_batch", "n_seq_max", "fingerprint", "n_threads", "n_gpu_layers",
+                 "flash_attn", "type_k", "type_v", "swa_full", "chat_template", "stop")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
@@ -320,7 +323,7 @@ class _Reader:
     def models(self, entries: object, policy: Policy) -> tuple[ModelConfig, ...]:
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             self.fail("models", "expected an array of tables: [[models]]")
-        allowed = _field_names(ModelConfig)
+        allowed = (*_field_names(ModelConfig), "fingerprint_digest")  # read with fingerprint into its value
         models: list[ModelConfig] = []
         for index, entry in enumerate(entries):
             key = f"models[{index}]"
@@ -353,39 +356,35 @@ class _Reader:
             option: self.integer(entry[option], f"{key}.{option}", 1) if option in entry else None
             for option in ("n_ctx", "n_batch", "n_seq_max")
         }
-        fingerprint = digest = None
-        if "fingerprint" in entry:
-            fingerprint = self.string(entry["fingerprint"], f"{key}.fingerprint")
-            if fingerprint not in FINGERPRINT_MODES:
-                self.fail(
-                    f"{key}.fingerprint",
-                    f"unknown mode {fingerprint!r}: expected {', '.join(FINGERPRINT_MODES)}",
-                )
-        if "fingerprint_digest" in entry:
-            digest = self.string(entry["fingerprint_digest"], f"{key}.fingerprint_digest")
-            if fingerprint != "fast_unsafe" or not digest:
-                self.fail(
-                    f"{key}.fingerprint_digest",
-                    "a non-empty digest goes with fingerprint = 'fast_unsafe' only",
-                )
-        elif fingerprint == "fast_unsafe":
-            self.fail(
-                f"{key}.fingerprint_digest",
-                "missing: fingerprint = 'fast_unsafe' needs the operator's digest",
-            )
         overrides = self.table(entry, "policy", None, f"{key}.policy")
         aliases = self.aliases(entry.get("aliases", []), f"{key}.aliases")
         return ModelConfig(
             name=name,
             path=path,
             tier=tier,
-            fingerprint=fingerprint,
-            fingerprint_digest=digest,
+            fingerprint=self.fingerprint(entry, key),
             policy=self.policy(policy, overrides, f"{key}.policy"),
             aliases=aliases,
             **sizes,
             **self.knobs(entry, key),
         )
+
+    def fingerprint(self, entry: dict[str, Any], key: str) -> Fingerprint | None:
+        mode = digest = None
+        if "fingerprint" in entry:
+            mode = self.string(entry["fingerprint"], f"{key}.fingerprint")
+            if mode not in FINGERPRINT_MODES:
+                self.fail(f"{key}.fingerprint", f"unknown mode {mode!r}: expected {', '.join(FINGERPRINT_MODES)}")
+        if "fingerprint_digest" in entry:
+            digest = self.string(entry["fingerprint_digest"], f"{key}.fingerprint_digest")
+            if mode != FingerprintMode.FAST_UNSAFE or not digest:
+                self.fail(f"{key}.fingerprint_digest", "a non-empty digest goes with fingerprint = 'fast_unsafe' only")
+        elif mode == FingerprintMode.FAST_UNSAFE:
+            self.fail(f"{key}.fingerprint_digest", "missing: fingerprint = 'fast_unsafe' needs the operator's digest")
+        try:
+            return None if mode is None else Fingerprint(FingerprintMode(mode), digest)
+        except ValueError as exc:
+            self.fail(f"{key}.fingerprint_digest", str(exc))
 
     def aliases(self, value: object, key: str) -> tuple[str, ...]:
         if not isinstance(value, list):

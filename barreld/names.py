@@ -7,6 +7,7 @@ Plain Python with no third-party imports, so `barrelctl --help` and the cache co
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import StrEnum
 
 TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
@@ -20,8 +21,42 @@ MEMORY_TIERS: tuple[str, ...] = TIER_NAMES[:2]
 REDIS_TIER = "redis"
 """The shared tier on a Redis server, beneath the local ones; not in TIER_NAMES, which holds this host's own."""
 
-FINGERPRINT_MODES: tuple[str, ...] = ("safe", "gguf_chunked", "fast_unsafe")
-"""How a model file is fingerprinted for its keys (see `barreld.cache.key.fingerprint_gguf`)."""
+class FingerprintMode(StrEnum):
+    """How a model file is fingerprinted for its keys (see `barreld.cache.key.fingerprint_gguf`)."""
+
+    SAFE = "safe"
+    GGUF_CHUNKED = "gguf_chunked"
+    FAST_UNSAFE = "fast_unsafe"
+
+
+FINGERPRINT_MODES: tuple[str, ...] = tuple(FingerprintMode)
+MAX_DIGEST = 256  # characters of an operator's fast_unsafe digest
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A model's fingerprint setting, parsed once: a mode, and for fast_unsafe the operator's digest. Written
+    as the mode, or `fast_unsafe:DIGEST` (the gRPC field and `barrelctl load --fingerprint`)."""
+
+    mode: FingerprintMode = FingerprintMode.GGUF_CHUNKED
+    digest: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mode is FingerprintMode.FAST_UNSAFE) != (self.digest is not None):
+            raise ValueError("a digest goes with fast_unsafe, and fast_unsafe needs one")
+        if self.digest is not None and not 0 < len(self.digest) <= MAX_DIGEST:
+            raise ValueError(f"the digest must be 1..{MAX_DIGEST} characters")
+
+    @classmethod
+    def parse(cls, text: str) -> Fingerprint:
+        """From its written form; ValueError says what is wrong."""
+        mode, sep, digest = text.partition(":")
+        if mode not in FINGERPRINT_MODES or (mode == FingerprintMode.FAST_UNSAFE) != bool(sep):
+            raise ValueError("expected safe, gguf_chunked or fast_unsafe:DIGEST")
+        return cls(FingerprintMode(mode), digest if sep else None)
+
+    def __str__(self) -> str:
+        return self.mode.value if self.digest is None else f"{self.mode.value}:{self.digest}"
 
 SAVE_REASONS: tuple[str, ...] = ("cold", "continued", "finish", "evict", "shutdown")
 """The five moments a checkpoint is saved; each has its `saves_<reason>` counter."""

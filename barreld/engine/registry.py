@@ -23,6 +23,7 @@ from barreld.names import (
     KV_CACHE_TYPES,
     PLAIN_KV_TYPES,
     TIER_NAMES,
+    Fingerprint,
     MemoryKind,
     alias_problem,
     model_name_problem,
@@ -78,7 +79,7 @@ class LoadOptions:
     n_batch: int = 512
     n_seq_max: int = 1
     policy: dict[str, str] = field(default_factory=dict)
-    fingerprint: str = "gguf_chunked"
+    fingerprint: Fingerprint = Fingerprint()
     n_threads: int | None = None  # None: the usable cores
     n_gpu_layers: int = -1  # -1: every layer the build can offload
     flash_attn: bool = False
@@ -310,10 +311,8 @@ class ModelRegistry:
         return False
 
     @staticmethod
-    def _fingerprint(path: Path, mode: str) -> bytes:
-        if mode.startswith("fast_unsafe:"):
-            return fingerprint_gguf(path, "fast_unsafe", mode.split(":", 1)[1])
-        return fingerprint_gguf(path, mode)
+    def _fingerprint(path: Path, setting: Fingerprint) -> bytes:
+        return fingerprint_gguf(path, setting.mode, setting.digest)
 
     def get(self, name: str) -> LoadedModel:
         """The named model, or with an empty name the default one, loading the bundled default if needed; a

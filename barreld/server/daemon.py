@@ -142,20 +142,7 @@ class Daemon:
 
     def _load_configured_models(self) -> None:
         for m in self.config.models:
-            fp = m.fingerprint or "gguf_chunked"
-            if fp == "fast_unsafe":
-                fp = f"fast_unsafe:{m.fingerprint_digest}"
-            opts = LoadOptions(
-                path=m.path,
-                tier=m.tier or "disk",
-                n_ctx=m.n_ctx or 4096,
-                n_batch=m.n_batch or 512,
-                n_seq_max=m.n_seq_max or 1,
-                policy=m.policy.as_dict(),
-                fingerprint=fp,
-                aliases=m.aliases,
-                **m.knobs(),
-            )
+            opts = LoadOptions(policy=m.policy.as_dict(), aliases=m.aliases, **m.knobs())
             try:
                 self.registry.load(m.name, opts)
             except BarrelError as exc:

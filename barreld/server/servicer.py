@@ -28,7 +28,7 @@ from barreld.frontend.calls import (
     show,
     start_call,
 )
-from barreld.names import FINGERPRINT_MODES, REDIS_TIER, TIER_NAMES
+from barreld.names import REDIS_TIER, TIER_NAMES, Fingerprint
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.status import rpc
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
 MAX_POLICY_TEXT = 64
-MAX_DIGEST = 256
 T = TypeVar("T")
 
 
@@ -74,11 +73,13 @@ def check_load(request: pb.LoadModelRequest) -> None:
             raise InvalidArgument(
                 f"bad policy setting {show(key)}: keys and values are at most {MAX_POLICY_TEXT} characters"
             )
-    fp = request.fingerprint
-    mode, sep, digest = fp.partition(":")
-    whole_file_modes = [m for m in FINGERPRINT_MODES if m != "fast_unsafe"]
-    if fp and not (fp in whole_file_modes or (mode == "fast_unsafe" and sep and 0 < len(digest) <= MAX_DIGEST)):
-        raise InvalidArgument(f"bad fingerprint {show(fp)}: expected safe, gguf_chunked or fast_unsafe:DIGEST")
+
+
+def load_fingerprint(text: str, default: Fingerprint) -> Fingerprint:
+    try:
+        return Fingerprint.parse(text) if text else default
+    except ValueError as exc:
+        raise InvalidArgument(f"bad fingerprint {show(text)}: {exc}") from None
 
 
 def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
@@ -241,7 +242,7 @@ class Servicer(pb_grpc.BarrelServicer):
             n_batch=request.n_batch or base.n_batch,
             n_seq_max=request.n_seq_max or base.n_seq_max,
             policy={**base.policy, **dict(request.policy)},
-            fingerprint=request.fingerprint or base.fingerprint,
+            fingerprint=load_fingerprint(request.fingerprint, base.fingerprint),
             n_threads=request.n_threads if request.HasField("n_threads") else base.n_threads,
             n_gpu_layers=request.n_gpu_layers if request.HasField("n_gpu_layers") else base.n_gpu_layers,
             flash_attn=request.flash_attn if request.HasField("flash_attn") else base.flash_attn,

@@ -56,7 +56,7 @@ def test_no_code_cites_a_document_outside_the_repository() -> None:
     "definition",
     [
         r'\(\s*"ram",\s*"ram_file"',  # the tier names, or the memory tiers
-        r'\(\s*"safe",\s*"gguf_chunked"',  # the fingerprint modes
+        r'GGUF_CHUNKED\s*=\s*"gguf_chunked"',  # the fingerprint modes
         r'\(\s*"cold",\s*"continued"',  # the save reasons
         r"\[A-Za-z0-9\]\[A-Za-z0-9\._-\]",  # the model-name rule
     ],

@@ -16,6 +16,8 @@ from barreld.config import (
     load_config,
 )
 from barreld.engine.policy import Policy
+from barreld.engine.registry import LoadOptions
+from barreld.names import Fingerprint, FingerprintMode
 
 GIB = 1024**3
 
@@ -161,13 +163,16 @@ def test_values_are_read(tmp_path: Path) -> None:
     (model,) = config.models
     assert model.path == gguf
     assert (model.tier, model.n_ctx, model.n_batch, model.n_seq_max) == ("ram", 8192, 256, 4)
-    assert (model.fingerprint, model.fingerprint_digest) == ("fast_unsafe", "abc123")
+    assert model.fingerprint == Fingerprint(FingerprintMode.FAST_UNSAFE, "abc123")
+    assert str(model.fingerprint) == "fast_unsafe:abc123"
     # a model's table applies over the daemon's [policy], not over the built-in defaults
     assert model.policy.min_tokens == 64
     assert model.policy.boundary_align_tokens == 256
     assert model.policy.prefill_chunk_size == math.inf
-    assert model.knobs() == {"n_threads": 3, "n_gpu_layers": 0, "flash_attn": True, "type_k": "q8_0",
-                             "type_v": "q4_0", "swa_full": False}
+    assert model.knobs() == {"path": gguf, "tier": "ram", "n_ctx": 8192, "n_batch": 256, "n_seq_max": 4,
+                             "fingerprint": model.fingerprint, "n_threads": 3, "n_gpu_layers": 0, "flash_attn": True,
+                             "type_k": "q8_0", "type_v": "q4_0", "swa_full": False}
+    assert LoadOptions(**model.knobs()).n_ctx == 8192 and LoadOptions().n_ctx == 4096  # unset: the registry's
 
 
 def test_a_models_turn_ends_are_read(tmp_path: Path) -> None:
@@ -412,3 +417,14 @@ def test_binary_file_is_a_config_error(tmp_path: Path) -> None:
         load_config(path, tmp_path)
     assert "\n" not in str(info.value)
     assert str(info.value).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize("text", ["safe", "gguf_chunked", "fast_unsafe:my-model-v1"])
+def test_a_fingerprint_is_parsed_once_and_written_back_alike(text: str) -> None:
+    assert str(Fingerprint.parse(text)) == text
+
+
+@pytest.mark.parametrize("text", ["", "bogus", "safe:x", "fast_unsafe", "fast_unsafe:", "fast_unsafe:" + "x" * 257])
+def test_a_bad_fingerprint_is_refused_with_what_is_expected(text: str) -> None:
+    with pytest.raises(ValueError):
+        Fingerprint.parse(text)
