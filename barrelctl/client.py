@@ -116,7 +116,7 @@ def _mapped(events: Iterable[Any], socket: Path, model: Callable[[], str | None]
 
 
 @dataclass(frozen=True)
-class Started:
+class ReplyStarted:
     """The daemon has taken the request: how much of the prompt came warm, by which lookup route."""
 
     route: str  # exact | resume | longest_prefix | live | miss
@@ -128,7 +128,7 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Token:
+class ReplyToken:
     text: bytes  # may split a UTF-8 character: concatenate before decoding
 
 
@@ -162,28 +162,28 @@ def _divergence(cache: pb.CacheInfo) -> Divergence | None:
 
 
 class CompletionStream:
-    """A Complete call in flight: iterating yields its Started and Token events as they arrive, `result()`
-    waits for its end, `cancel()` ends it early (the daemon then frees its place)."""
+    """A Complete call in flight: iterating yields its ReplyStarted and ReplyToken events as they arrive,
+    `result()` waits for its end, `cancel()` ends it early (the daemon then frees its place)."""
 
     def __init__(self, call: Any, socket: Path, model: str) -> None:
         self._call = call
         self._socket = socket
-        self._model = model or None  # the daemon names it in Started: an empty request means its default
+        self._model = model or None  # the daemon names it when it starts: an empty request means its default
         self._t0 = time.perf_counter()
         self._first: float | None = None
         self._result: Completion | None = None
 
-    def __iter__(self) -> Iterator[Started | Token]:
+    def __iter__(self) -> Iterator[ReplyStarted | ReplyToken]:
         for ev in _mapped(self._call, self._socket, lambda: self._model):
             kind = ev.WhichOneof("event")
             if kind == "token":
                 if self._first is None:
                     self._first = time.perf_counter()
-                yield Token(ev.token.text)
+                yield ReplyToken(ev.token.text)
             elif kind == "started":
                 s, c = ev.started, ev.started.cache
                 self._model = s.model or self._model
-                yield Started(c.path, c.tier or None, c.restored_tokens, c.prefilled_tokens, s.prompt_tokens,
+                yield ReplyStarted(c.path, c.tier or None, c.restored_tokens, c.prefilled_tokens, s.prompt_tokens,
                               s.prompt_key)
             else:
                 self._result = self._completion(ev.done)

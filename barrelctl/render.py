@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from barrelctl.client import Completion, CompletionStream, Token
+from barrelctl.client import Completion, CompletionStream, ReplyToken
 
 # A terminal (or $COLUMNS) sets the width; piped output is not wrapped by anyone, so give tables room there.
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
@@ -79,7 +79,7 @@ def stream(start: Callable[[], CompletionStream], as_json: bool) -> Completion:
     try:
         call = start()
         for ev in call:
-            if isinstance(ev, Token) and not as_json:
+            if isinstance(ev, ReplyToken) and not as_json:
                 if status is not None:
                     status.stop()
                     status = None

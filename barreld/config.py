@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from barreld.address import ListenAddress, load_api_keys, parse_listen
+from barreld.cache import TierConfig
 from barreld.cache.remote.settings import (
     DEFAULT_PREFIX,
     DEFAULT_TIMEOUT_MS,
@@ -56,15 +57,6 @@ class ConfigError(Exception):
         self.file, self.key, self.reason = file, key, " ".join(reason.split())
         where = f"{file}: {key}" if key else file
         super().__init__(f"{where}: {self.reason}")
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """One storage tier: its byte quota, and for file tiers the directory that holds the files."""
-
-    name: str
-    quota: int
-    root: Path | None  # None for `ram`, which holds bytes in the daemon
 
 
 @dataclass(frozen=True)
@@ -175,10 +167,10 @@ def load_config(path: Path | None, data_dir: Path | None = None) -> Config:
                 raise ConfigError(file, match["where"], f"TOML syntax error: {match['what']}") from e
             raise ConfigError(file, None, f"TOML syntax error: {e}") from e
     base = path.parent if path is not None else Path.cwd()
-    return _Reader(file, base).config(path, data, data_dir)
+    return _ConfigReader(file, base).config(path, data, data_dir)
 
 
-class _Reader:
+class _ConfigReader:
     """Reads one parsed file; every check raises ConfigError naming the dotted key."""
 
     def __init__(self, file: str, base: Path) -> None:
@@ -265,7 +257,7 @@ class _Reader:
                 root = self.path(table["root"], f"{key}.root")
             if root is not None:
                 self.writable_dir(root, f"{key}.root")
-            tiers[name] = TierConfig(name, quota_bytes, root)
+            tiers[name] = TierConfig(quota_bytes, root)  # the store's own type: the daemon hands these over as read
         if tiers["ram_file"].root == tiers["disk"].root:
             self.fail("tiers.disk.root", "must not be the same directory as tiers.ram_file.root")
         return MappingProxyType(tiers)

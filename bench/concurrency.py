@@ -18,7 +18,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from barrelctl.client import Client, Token
+from barrelctl.client import Client, ReplyToken
 from tests.support.sandbox import Sandbox
 
 console = Console()
@@ -32,7 +32,7 @@ def text(seed: int, words: int) -> bytes:
 
 def stream(client: Client, prompt: bytes, max_tokens: int, stamps: list[float]) -> None:
     for ev in client.complete(prompt, max_tokens=max_tokens):
-        if isinstance(ev, Token):
+        if isinstance(ev, ReplyToken):
             stamps.append(time.perf_counter())
 
 

@@ -46,7 +46,7 @@ class Slot:
 
 
 @dataclass
-class Batch:
+class DecodeBatch:
     """One tick's batch, and where the logits each slot needs will be: (slot index, batch index) pairs.
     `waiting` says a prefill chunk did not fit beside the sampling steps."""
 
@@ -56,10 +56,10 @@ class Batch:
     waiting: bool = False
 
 
-def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False) -> Batch:
+def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False) -> DecodeBatch:
     """The next token of every decoding slot first, then the next whole chunk of each prefilling slot while
     n_batch has room for it."""
-    batch = Batch()
+    batch = DecodeBatch()
     for i, s in enumerate(slots):
         if s.pending is not None and not prefill_only:
             batch.samples.append((i, len(batch.items)))

@@ -112,10 +112,9 @@ class Daemon:
 
     def _open_store(self):
         from barreld.cache import CacheStore
-        from barreld.cache import TierConfig as StoreTier
         from barreld.cache.blocks import DEFAULT_BLOCK_TOKENS
 
-        tiers = {name: StoreTier(quota=t.quota, root=t.root) for name, t in self.config.tiers.items()}
+        tiers = dict(self.config.tiers)
         kwargs = {"writers": self.config.writers} if self.config.writers else {}
         block_tokens = self.config.block_tokens
         kwargs["block_tokens"] = DEFAULT_BLOCK_TOKENS if block_tokens is None else block_tokens
