@@ -7,7 +7,6 @@ grpc and the generated modules are imported on first use, so that `barrelctl --h
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ from barrelctl.errors import ClientError, DaemonDied
 from barreld.deaths import find_death
 from barreld.engine.chat import Message
 from barreld.engine.divergence import Divergence
-from barreld.paths import SYSTEM_SOCKET, default_socket, private_dir, socket_answers
+from barreld.paths import SYSTEM_SOCKET, default_socket, locked, private_dir, socket_answers
 
 if TYPE_CHECKING:
     import grpc
@@ -407,9 +406,7 @@ class Client:
         """Starts barreld in the background under a lock, so racing clients end with one daemon."""
         sock_dir = self.socket.parent
         private_dir(sock_dir)
-        fd = os.open(sock_dir / "autostart.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "r+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(sock_dir / "autostart.lock"):
             if _answers(self.socket):
                 return
             log_path = sock_dir / "barreld.log"

@@ -5,8 +5,6 @@ so it imports neither gRPC nor the web stack."""
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import signal
@@ -14,7 +12,7 @@ import socket as socketlib
 import threading
 from pathlib import Path
 
-from barreld.paths import private_dir, socket_answers
+from barreld.paths import lock_file, private_dir, socket_answers
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +34,12 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-            os.close(fd)
+        fd = lock_file(self.path, wait=False)
+        if fd is None:
+            try:
+                holder = self.path.read_text(errors="replace")[:64].strip() or "another process"
+            except OSError:
+                holder = "another process"
             raise StartupError(
                 f"data dir {self.path.parent} is in use by barreld pid {holder}; "
                 f"stop it (`barrelctl daemon stop`) or pass another --data-dir"

@@ -1,4 +1,4 @@
-"""Default socket location and private directories, per the operator's contract.
+"""Default socket location, private directories and lock files, per the operator's contract.
 
 Both barreld and barrelctl import this module, so it stays free of heavy imports. Under systemd the
 unit passes --socket /run/barrel/barreld.sock and --data-dir /var/lib/barrel explicitly.
@@ -6,8 +6,11 @@ unit passes --socket /run/barrel/barreld.sock and --data-dir /var/lib/barrel exp
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket as socketlib
+from collections.abc import Iterator
 from pathlib import Path
 
 SOCKET_ENV = "BARREL_SOCKET"
@@ -23,6 +26,33 @@ def default_socket() -> Path:
     if runtime:
         return Path(runtime) / "barrel" / "barreld.sock"
     return Path(f"/tmp/barrel-{os.getuid()}") / "barreld.sock"
+
+
+def lock_file(path: Path, *, wait: bool) -> int | None:
+    """An exclusive flock on `path` (created 0600): the descriptor that holds it until it is closed. The kernel
+    drops it when its holder dies, so a killed process leaves no stale lock. Without `wait`, None while another
+    process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[int]:
+    """Holds `path`'s lock (waiting for it) for the `with` block; yields its descriptor."""
+    fd = lock_file(path, wait=True)
+    assert fd is not None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def private_dir(path: Path) -> Path:

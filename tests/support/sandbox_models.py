@@ -10,14 +10,12 @@ partial file.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 
 from barreld.cache.key import _GGUFReader
 from barreld.engine.registry import bundled_model_path
+from barreld.paths import locked
 
 # Bump when a builder changes what it writes for the same spec: old files are then simply not used.
 BUILD_VERSION = 2
@@ -38,18 +37,11 @@ def cache_dir() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _locked(target: Path) -> Iterator[None]:
-    with open(target.with_name(target.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _made_once(target: Path, make: Callable[[Path], None]) -> Path:
     """Runs make(temp) and renames the result to target, unless another run already did."""
     if target.is_file():
         return target
-    with _locked(target):
+    with locked(target.with_name(target.name + ".lock")):
         if not target.is_file():
             temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             try:
