@@ -96,6 +96,7 @@ def test_a_tool_conversation_calls_validates_and_is_warm_on_later_turns(daemon: 
     first = ask(client, messages, {"type": "any"}, stream)
     uses = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+    assert stream or isinstance(first.model_extra["barrel"]["prefix_kept"], bool)  # input resent as an object
     jsonschema.validate(uses[0].input, WEATHER)
     prompt1 = first.usage.input_tokens + first.usage.cache_read_input_tokens
     messages += history(first)

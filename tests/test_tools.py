@@ -110,6 +110,20 @@ def test_a_named_tool_choice_calls_that_tool(daemon: Daemon) -> None:
     assert [c["function"]["name"] for c in check_calls(message)] == ["get_time"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_resent_as_given_keeps_the_prefix_and_the_reply_says_so(daemon: Daemon, stream: bool) -> None:
+    args = {"model": "smollm2", "messages": [SYSTEM, {"role": "user", "content": f"Time in Rome? ({stream})"}],
+            "tools": TOOLS, "tool_choice": "required", "max_tokens": 60, "temperature": 0}
+    if stream:
+        chunks = list(daemon.sdk().chat.completions.create(**args, stream=True))
+        barrel = chunks[-1].model_extra["barrel"]
+    else:
+        barrel = daemon.sdk().chat.completions.create(**args).model_extra["barrel"]
+    assert barrel["prefix_kept"] is True  # the generic format renders a call back as the model wrote it
+    plain = daemon.sdk().chat.completions.create(model="smollm2", messages=args["messages"], max_tokens=4)
+    assert "prefix_kept" not in plain.model_extra["barrel"]  # checked only for replies that called tools
+
+
 def test_tool_choice_none_answers_in_text(daemon: Daemon) -> None:
     messages = [SYSTEM, {"role": "user", "content": "Say hello."}]
     message, finish, _, _ = ask(daemon.sdk(), messages, "none", False)

@@ -91,6 +91,9 @@ class Done:
     timings: Timings
     logprobs: tuple[TokenLogprob, ...] = ()  # every token the text holds, when asked for
     stop: bytes = b""  # the stop string that ended it, if one did
+    # Set by a front end for a reply that called tools: whether it renders, resent in the history, to the bytes
+    # it was generated from (so the next turn restores through it); None when not checked.
+    prefix_kept: bool | None = None
 
 
 @dataclass

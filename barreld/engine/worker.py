@@ -242,6 +242,10 @@ class ModelWorker:
         template = p.chat_template or be.chat_template
         return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
 
+    def render(self, params: CompletionParams) -> bytes:
+        """The prompt's bytes as a request with these parameters would have them; on the caller's thread."""
+        return self._prompt_bytes(params)
+
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
         vocabulary, so it runs on the caller's thread beside the model's."""

@@ -114,7 +114,17 @@ def _tool_use(block: dict, at: str) -> ToolCall:
     given = block.get("input")
     if not isinstance(given, dict):
         raise InvalidArgument(f"{at}.input must be an object")
-    return ToolCall(_string(block, "id", at), _string(block, "name", at), json.dumps(given, ensure_ascii=False))
+    return ToolCall(_string(block, "id", at), _string(block, "name", at), _arguments(given))
+
+
+def resent_tool_use(call: ToolCall) -> ToolCall:
+    """A call of Barrel's reply as it comes back in a later request: a tool_use block's `input` is an object,
+    read back to arguments text the way every tool_use block is."""
+    return ToolCall(call.id, call.name, _arguments(json.loads(call.arguments)))
+
+
+def _arguments(given: dict) -> str:
+    return json.dumps(given, ensure_ascii=False)
 
 
 def _string(block: dict, name: str, at: str) -> str:

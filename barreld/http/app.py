@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -25,12 +26,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from barreld.engine.chat import Message
 from barreld.engine.registry import LoadedModel, ModelRegistry
 from barreld.engine.request import Done, Started, Token
+from barreld.engine.tools import ToolCall, split_calls
 from barreld.errors import InvalidArgument, Unavailable
 from barreld.frontend.calls import Call, Deliver, Outcome, check_model_name, client_error, start_call
 from barreld.frontend.metrics import CONTENT_TYPE, Metrics
-from barreld.http.anthropic import PING, MessagesReply, error_doc, event, parse_messages
+from barreld.http.anthropic import PING, MessagesReply, error_doc, event, parse_messages, resent_tool_use
 from barreld.http.openai import DONE_LINE, ApiRequest, Reply, parse_request
 
 log = logging.getLogger(__name__)
@@ -225,20 +228,31 @@ class HttpApi:
             first = await until_disconnected(request, events.cancel, events.next())
             stream = shape(events.model)
             if req.stream:
-                return StreamingResponse(self._sse(events, stream, first), media_type="text/event-stream",
+                return StreamingResponse(self._sse(events, stream, req, first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             done = first if isinstance(first, Done) else await until_disconnected(request, events.cancel,
                                                                                   events.done())
-            return JSONResponse(stream.document(done))
+            return JSONResponse(stream.document(await self._checked(events, req, stream, done)))
         except BaseException:
             events.cancel()
             raise
 
-    async def _sse(self, events: Events, stream: Stream, ev: Started | Token | Done) -> AsyncIterator[bytes]:
+    @staticmethod
+    async def _checked(events: Events, req: ApiRequest, stream: Stream, done: Done) -> Done:
+        """The reply, with whether it keeps the prefix when it called tools (a template's render, off the loop)."""
+        if req.tools is None or not req.messages:
+            return done
+        kept = await anyio.to_thread.run_sync(prefix_kept, events.loaded, req, done, stream.resend)
+        return done if kept is None else dataclasses.replace(done, prefix_kept=kept)
+
+    async def _sse(self, events: Events, stream: Stream, req: ApiRequest,
+                   ev: Started | Token | Done) -> AsyncIterator[bytes]:
         """The stream of events, with a keep-alive every PING_SECONDS while none comes (a long prefill); a
         failure after the first event ends it with an error event (the status line is sent by then)."""
         try:
             while True:
+                if isinstance(ev, Done):
+                    ev = await self._checked(events, req, stream, ev)
                 for frame in stream.frames(ev):
                     yield frame
                 if isinstance(ev, Done):
@@ -252,11 +266,28 @@ class HttpApi:
             events.cancel()
 
 
+def prefix_kept(model: LoadedModel, req: ApiRequest, done: Done, resend: Callable[[ToolCall], ToolCall]) -> bool | None:
+    """Whether a reply that called tools, sent back in the history as the route's clients send it (`resend`),
+    renders through the model's template to the bytes it was generated from, so that the next turn restores
+    through it; None for a reply without calls."""
+    assert req.tools is not None
+    content, calls = split_calls(done.text.decode("utf-8", "replace"), req.tools)
+    if not calls:
+        return None
+    params = req.params(model.options.n_ctx)
+    turn = Message("assistant", content, tuple(resend(c) for c in calls))
+    after = model.worker.render(dataclasses.replace(params, messages=(*params.messages, turn)))
+    return after.startswith(model.worker.render(params) + done.text)
+
+
 class Stream(Protocol):
-    """A route's reply shapes, as the shared loop drives them."""
+    """A route's reply shapes, as the shared loop drives them; `resend` is a call as the route's clients send
+    it back in the history."""
 
     ping: bytes
     tail: bytes
+
+    def resend(self, call: ToolCall) -> ToolCall: ...
 
     def document(self, done: Done) -> dict[str, Any]: ...
     def frames(self, ev: Started | Token | Done) -> list[bytes]: ...
@@ -268,6 +299,10 @@ class OpenAIStream:
     reply: Reply
     ping: bytes = b": keep-alive\n\n"
     tail: bytes = DONE_LINE
+
+    @staticmethod
+    def resend(call: ToolCall) -> ToolCall:
+        return call  # OpenAI's clients send `arguments` back as the text they were given
 
     def document(self, done: Done) -> dict[str, Any]:
         return self.reply.document(done)
@@ -284,6 +319,10 @@ class AnthropicStream:
     reply: MessagesReply
     ping: bytes = PING
     tail: bytes = b""
+
+    @staticmethod
+    def resend(call: ToolCall) -> ToolCall:
+        return resent_tool_use(call)
 
     def document(self, done: Done) -> dict[str, Any]:
         return self.reply.document(done)
@@ -313,8 +352,13 @@ class Events:
     @property
     def model(self) -> str:
         """The model's name, known once the first event has arrived."""
+        return self.loaded.name
+
+    @property
+    def loaded(self) -> LoadedModel:
+        """The model serving the call, known once the first event has arrived."""
         assert self._call is not None
-        return self._call.model.name
+        return self._call.model
 
     def cancel(self) -> None:
         """The client is gone: stop the call, now or as soon as it has started."""

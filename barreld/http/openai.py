@@ -282,6 +282,7 @@ def barrel_doc(done: Done) -> dict[str, Any]:
         "key": done.key.hex(),
         "prompt_key": done.prompt_key.hex(),
         "timings_ms": dataclasses.asdict(done.timings),
+        **({} if done.prefix_kept is None else {"prefix_kept": done.prefix_kept}),
     }
 
 

@@ -6,6 +6,7 @@ the README's Gemma 3 one.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -68,6 +69,7 @@ FAMILIES = [(HERMES_TEMPLATE, HERMES), (LLAMA3_TEMPLATE, LLAMA3), (MISTRAL_TEMPL
 HISTORY = (Message("user", "Weather in Paris?"),)
 
 
+@functools.cache
 def smollm2_template() -> str:
     reader = gguf.GGUFReader(bundled_model_path("smollm2"))
     field = reader.fields["tokenizer.chat_template"]
