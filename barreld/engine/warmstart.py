@@ -28,7 +28,7 @@ from barreld.engine.backend import Backend, BackendError
 from barreld.engine.model_cache import ModelCache
 from barreld.engine.plan import common_prefix_len
 from barreld.engine.sequence import Sequence, Snapshot
-from barreld.names import MemoryKind, Route
+from barreld.names import Route
 
 if TYPE_CHECKING:
     from barreld.cache import Checkpoint, Hit
@@ -111,9 +111,8 @@ class WarmStarts:
         if matched < min(LIVE_MIN_TOKENS, max(2, n // 2)):
             return WarmStart()
         logits_at = seq.frontier if seq.frontier_logits is not None else None
-        k = self.memory.live_point(len(seq.tokens), seq.frontier, matched, n, logits_at)
-        if k and self.memory.kind is MemoryKind.SWA:
-            k = k if self.memory.holds(k, self.backend.seq_pos_range(seq.id)[0], k - 1) else 0
+        pos_min = self.backend.seq_pos_range(seq.id)[0]
+        k = self.memory.live_point(len(seq.tokens), seq.frontier, matched, n, logits_at, pos_min)
         if k:
             return WarmStart(Route.LIVE, k, seq=seq)
         snap = seq.snapshot
