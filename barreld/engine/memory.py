@@ -99,11 +99,17 @@ class Memory:
         """Whether a saved state of `length` tokens can be restored at all."""
         return length > 0 and (self.kind is not MemoryKind.SWA or self.swa_full or length <= self.window)
 
-    def live_point(self, held: int, frontier: int, matched: int, n: int, logits_at: int | None) -> int:
+    def live_point(
+        self, held: int, frontier: int, matched: int, n: int, logits_at: int | None, pos_min: int = 0
+    ) -> int:
         """Tokens a prompt can keep of a live sequence holding `held` tokens, the first `frontier` of them
-        prefilled, by cutting it (or, for a memory that cannot be cut, by taking it whole)."""
+        prefilled, by cutting it (or, for a memory that cannot be cut, by taking it whole); `pos_min` is the
+        lowest position llama.cpp reports for it, which a sliding window's cut must still hold."""
         if self.cuts_live:
-            return self.aligned(min(frontier, matched), n, logits_at)
+            k = self.aligned(min(frontier, matched), n, logits_at)
+            if k and self.kind is MemoryKind.SWA and not self.holds(k, pos_min, k - 1):
+                return 0
+            return k
         if held != frontier:
             return 0
         return self.restore_point(held, matched, n, logits_at)

@@ -282,7 +282,6 @@ class ModelRegistry:
             policy,
             backend.state_get,
             memory=memory,
-            pos_range=backend.seq_pos_range,
             cut_state=state_cutter(shape, memory),
             block_shape=block_shape,
             fingerprint=fingerprint,

@@ -6,8 +6,8 @@ n_batch; a chunk that does not fit beside the sampling steps goes into a prefill
 beyond n_seq_max wait in a bounded FIFO queue. A finished request's sequence stays live so the next turn
 can reuse it in place; it is saved (reason `evict`) and released only when its place is needed.
 
-Every warm start is checked after it is placed: llama.cpp's own account of the sequence's positions must
-be what the memory kind needs (`Memory.holds`), or the sequence is cleared and the prompt prefilled cold.
+A request's warm start is found, applied and checked by `barreld.engine.warmstart`; the worker only asks it
+for one plan and the tokens it kept, then schedules the rest of the prefill.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from barreld.engine.backend import Backend, BackendError
 from barreld.engine.chat import Message
 from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
-from barreld.engine.model_cache import Found, ModelCache
+from barreld.engine.model_cache import ModelCache
 from barreld.engine.plan import Slot, byte_offsets, plan_batch
 from barreld.engine.request import (
     Alternative,
@@ -40,11 +40,11 @@ from barreld.engine.request import (
 )
 from barreld.engine.sampler import Sampler, logprobs
 from barreld.engine.sampling import SamplingParams
-from barreld.engine.sequence import Sequence, Snapshot
+from barreld.engine.sequence import Sequence
 from barreld.engine.stops import StopScanner
 from barreld.engine.tools import forced_grammar, format_of
+from barreld.engine.warmstart import WarmStart, WarmStarts
 from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
-from barreld.names import Route
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class ModelWorker:
         self.name = name
         self.backend = backend
         self.cache = cache
+        self.starts = WarmStarts(name, cache, backend)
         self.max_queue = max_queue
         # The operator's strings that end this model's turn in a conversation: a base model never samples
         # its template's end-of-turn token, but writes the next turn's marker. A reply that reaches one ends
@@ -178,46 +179,49 @@ class ModelWorker:
         req.prompt_key = self.cache.key(rendered)
         t0 = time.perf_counter()
         idle = [s for s in self.seqs if s.idle]
-        found = self.cache.find(tokens, rendered, offsets, req.params.parent_key, idle)
+        plan = self.starts.find(tokens, rendered, offsets, req.params.parent_key, idle)
         req.timings.lookup = time.perf_counter() - t0
         held = [(LIVE, s.rendered) for s in self.seqs if s.tokens]
         if req.params.explain:
-            return self._explain(req, tokens, rendered, offsets, found, held)
-        closest = divergence(rendered, offsets, held) if found.tokens < len(tokens) else None
-        seq = found.seq if found.seq is not None else self._claim(idle)
-        req.target = tokens
-        kept = self._place(req, seq, found)
+            return self._explain(req, tokens, rendered, offsets, plan, held)
+        closest = divergence(rendered, offsets, held) if plan.tokens < len(tokens) else None
+        seq = self.starts.claim(plan, idle)
+        t1 = time.perf_counter()
+        kept = self.starts.apply(plan, seq, tokens)
+        req.timings.restore = time.perf_counter() - t1
+        seq.request, req.seq, req.target = req, seq.id, tokens
+        self._report(req, plan, len(tokens), kept)
         req.cache.divergence = closest if kept < len(tokens) else None
-        req.prompt_tokens = len(tokens)
         seq.prompt_len = len(tokens)
-        req.cache.route = found.route if kept > 0 else Route.MISS
-        req.cache.restored_tokens = kept
-        req.cache.prefilled_tokens = len(tokens) - kept
-        req.cache.tier = found.tier if kept > 0 and found.route is not Route.LIVE else None
         self.cache.count(req.cache.route.counter)
         req.cold_at = self.cache.cold_boundary(len(tokens), kept)
         req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
         if kept and req.snapshot_at == kept:
-            self._snapshot(seq)
+            self.starts.snapshot(seq)
         req.scanner = StopScanner(list(req.params.stop), list(req.params.turn_ends))
         req.prefill_started = time.perf_counter()
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
         with self._cond:
             self._active.append(req)
 
-    def _explain(self, req: Request, tokens: list[int], rendered: bytes, offsets: list[int], found: Found,
+    @staticmethod
+    def _report(req: Request, plan: WarmStart, n: int, kept: int) -> None:
+        """What the request reports of its warm start: the route and tier it was served by, `kept` of its n
+        prompt tokens put back and the rest prefilled."""
+        req.prompt_tokens = n
+        req.cache.route, req.cache.tier = plan.served(kept)
+        req.cache.restored_tokens = kept
+        req.cache.prefilled_tokens = n - kept
+
+    def _explain(self, req: Request, tokens: list[int], rendered: bytes, offsets: list[int], plan: WarmStart,
                  held: list[tuple[str, bytes | bytearray]]) -> None:
         """Answers a look-up-only request: what a completion would restore and, short of the whole prompt,
         where it left the closest text held, stored rows included (read here, off the hot path). Nothing is
         claimed, prefilled or counted as a hit or a miss."""
-        if found.tokens < len(tokens):
+        if plan.tokens < len(tokens):
             stored = [(key.hex(), text) for key, text in self.cache.stored_texts(EXPLAIN_ROWS)]
             req.cache.divergence = divergence(rendered, offsets, [*held, *stored])
-        req.prompt_tokens = len(tokens)
-        req.cache.route = found.route if found.tokens else Route.MISS
-        req.cache.restored_tokens = found.tokens
-        req.cache.prefilled_tokens = len(tokens) - found.tokens
-        req.cache.tier = found.tier if found.tokens and found.route is not Route.LIVE else None
+        self._report(req, plan, len(tokens), plan.tokens)
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
         req.timings.total = time.perf_counter() - req.submitted
         t = req.timings
@@ -268,90 +272,6 @@ class ModelWorker:
                 f"shorten it or load the model with a larger --n-ctx"
             )
 
-    def _place(self, req: Request, seq: Sequence, found: Found) -> int:
-        """Gives seq to req with the found prefix in its memory, checked; returns the tokens kept."""
-        seq.request = req
-        req.seq = seq.id
-        try:
-            t1 = time.perf_counter()
-            kept = self._live(seq, found) if found.route is Route.LIVE else self._restore(seq, found, req.target)
-            held = self.backend.seq_pos_range(seq.id)
-            if kept and not self.cache.memory.holds(kept, *held):
-                log.warning(
-                    "%s: a %s start of %d tokens left positions %d..%d in the sequence; prefilling instead",
-                    self.name,
-                    found.route,
-                    kept,
-                    *held,
-                )
-                self.cache.count("reuse_refused")
-                self.backend.seq_rm(seq.id, 0, -1)
-                seq.clear()
-                kept = 0
-            req.timings.restore = time.perf_counter() - t1
-            return kept
-        except Exception:
-            self.backend.seq_rm(seq.id, 0, -1)  # whatever state is half set up, the sequence is free again
-            seq.clear()
-            seq.request = None
-            raise
-
-    def _claim(self, idle: list[Sequence]) -> Sequence:
-        """An empty sequence if there is one, else the least recently used idle one, saved then cleared."""
-        empty = [s for s in idle if not s.tokens]
-        if empty:
-            return empty[0]
-        victim = min(idle, key=lambda s: s.last_used)
-        self.cache.save_sync(victim, "evict")
-        self.backend.seq_rm(victim.id, 0, -1)
-        victim.clear()
-        return victim
-
-    def _live(self, seq: Sequence, found: Found) -> int:
-        """Keeps the found prefix of a live sequence: cut back, or its snapshot put back."""
-        k = found.tokens
-        if not self.cache.keeps(seq, k):
-            self.cache.save_sync(seq, "evict")  # the part about to be dropped may be stored nowhere else
-        snap = found.snapshot
-        if snap is None:
-            self.backend.seq_rm(seq.id, k, -1)
-        else:
-            self.backend.state_set(seq.id, memoryview(snap.state))
-        seq.truncate(k)
-        if snap is not None and snap.logits is not None:
-            seq.frontier_logits = snap.logits
-        return k
-
-    def _restore(self, seq: Sequence, found: Found, tokens: list[int]) -> int:
-        """Puts the found checkpoint's reusable prefix into seq; returns how many tokens it holds now."""
-        if seq.tokens:
-            self.backend.seq_rm(seq.id, 0, -1)
-            seq.clear()
-        if found.hit is None:
-            return 0
-        with self.cache.restore(found.hit) as ckpt:
-            k = 0 if ckpt is None else self.cache.usable(ckpt, found.hit, tokens)
-            if k == 0:
-                return 0
-            try:
-                self.backend.state_set(seq.id, ckpt.state)
-            except BackendError:
-                log.exception("restoring %s failed; prefilling instead", found.hit)
-                return 0
-            if k < len(ckpt.tokens) and self.cache.memory.cuts_states:
-                self.backend.seq_rm(seq.id, k, -1)
-            for t in ckpt.tokens[:k]:
-                seq.append(t, self.backend.piece(t), prefilled=True)
-            seq.origin = found.hit.row_key
-            if ckpt.logits is not None and ckpt.logits_tokens == k:
-                seq.frontier_logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
-            return k
-
-    def _snapshot(self, seq: Sequence) -> None:
-        """Copies the state of a memory that cannot be cut, at a point a later prompt can start from."""
-        if seq.snapshot is None or seq.snapshot.length != len(seq.tokens):
-            seq.snapshot = Snapshot(len(seq.tokens), self.backend.state_get(seq.id), seq.frontier_logits)
-
     def _prefilling(self) -> bool:
         return any(r.pending is None and len(self.seqs[r.seq].tokens) < len(r.target) for r in self._active)
 
@@ -390,7 +310,7 @@ class ModelWorker:
         if end == req.cold_at:
             self.cache.save_async(seq, "cold")
         if end == req.snapshot_at:
-            self._snapshot(seq)
+            self.starts.snapshot(seq)
         if end == len(req.target):
             req.timings.prefill = time.perf_counter() - req.prefill_started
             self._take(req, logits)

@@ -70,6 +70,14 @@ def test_live_points_cut_full_and_window_memories_and_take_recurrent_ones_whole(
     assert RECURRENT.live_point(1024, 1024, 1024, 1100, 1024) == 1024
 
 
+def test_a_window_is_cut_live_only_while_it_still_holds_the_cells_below_the_cut() -> None:
+    """llama.cpp's lowest position: a cut to 960 needs 448..959 in the window (swa_full), 0.. in a ring."""
+    assert SWA.live_point(1012, 1000, 1012, 1100, 1000, pos_min=448) == 960
+    assert SWA.live_point(1012, 1000, 1012, 1100, 1000, pos_min=449) == 0
+    assert RING.live_point(1012, 1000, 1012, 1100, 1000, pos_min=1) == 0
+    assert FULL.live_point(1012, 1000, 1012, 1100, 1000, pos_min=449) == 960  # only a window drops cells
+
+
 @pytest.mark.parametrize(
     ("memory", "k", "pos", "holds"),
     [

@@ -1,4 +1,4 @@
-"""Every lookup route and its tie-breaks, through ModelWorker and ModelCache over a real store.
+"""Every lookup route and its tie-breaks, through ModelWorker and WarmStarts over a real store.
 
 Every warm reply is compared with the reply a cold prefill gives (temperature 0): over FakeBackend the
 logits are a function of the whole token history in the KV cells, so any wrong restore or cut shows.
