@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     template = tmp_path_factory.mktemp("claude") / "dialogue.jinja"
     template.write_text(dialogue_template())
     model = (f'\n[[models]]\nname = "gemma"\npath = "{gemma_path()}"\nn_ctx = 32768\naliases = ["claude-*"]\n'
-             f'chat_template = "{template}"\nstop = ["\\nUser:", "\\nAssistant:"]\n')
+             f'chat_template = "{template}"\nstop = ["\\n\\n", "\\nUser:", "\\nAssistant:"]\n')
     with Sandbox.new(model, label="claude") as box:
         yield Daemon(box)
 
@@ -42,7 +43,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def claude(d: Daemon, home: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
     env.update(ANTHROPIC_BASE_URL=d.base, ANTHROPIC_API_KEY="unused", HOME=str(home),
-               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64",
+               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="256",
                DISABLE_AUTOUPDATER="1")
     return subprocess.run([str(CLAUDE), "-p", "Say hello."], env=env, cwd=home, capture_output=True, text=True,
                           timeout=900)
@@ -58,12 +59,17 @@ def requests(d: Daemon, since: int) -> list[tuple[int, int, int, str]]:
     return [(int(r), int(p), int(t), f) for r, p, t, f in REQUEST.findall(d.box.log_text()[since:])]
 
 
-def test_two_claude_code_calls_in_a_row_the_second_warm(daemon: Daemon, tmp_path: Path) -> None:
+def test_two_claude_code_calls_in_a_row_the_second_warm(daemon: Daemon) -> None:
     assert CLAUDE.exists(), f"Claude Code is not installed at {CLAUDE}: tests/run installs it with npm"
+    # Claude Code writes its working directory into the prompt: the same one on every run, so the prompt, and
+    # the greedy reply a base model gives it, is the same from run to run (on a given day).
+    home = Path(f"/tmp/barrel-claude-code-{os.getuid()}")
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(mode=0o700)
     calls = []
     for _ in range(2):
         since = len(daemon.box.log_text())
-        run = claude(daemon, tmp_path)
+        run = claude(daemon, home)
         assert run.returncode == 0 and run.stdout.strip(), (run.returncode, run.stdout[-500:], run.stderr[-500:])
         calls.append(requests(daemon, since))
     first, second = calls[0][0], calls[1][0]  # each call's Messages request (a retry would come after it)
