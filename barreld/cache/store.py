@@ -37,13 +37,25 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from barreld.names import REDIS_TIER, TIER_NAMES, TIER_RANK, MemoryKind
+from barreld.names import REDIS_TIER, TIER_NAMES, MemoryKind
 
 from . import blocks
 from .checkpoint import HEADER_BYTES, Checkpoint, decode, encode_parts, encoded_size, rendered_span
 from .counters import Counters
 from .errors import CorruptCheckpoint, IndexWriteError, TierWriteError, WriterQueueFull
-from .index import AVAILABLE, RESERVED, Hit, Index, Listing, Payload, Reservation, Row, RowHead, valid_aliases
+from .index import (
+    AVAILABLE,
+    RESERVED,
+    Hit,
+    Index,
+    Listing,
+    Payload,
+    Reservation,
+    Row,
+    RowHead,
+    block_id,
+    valid_aliases,
+)
 from .stateformat import StateFormatError
 from .tiers import BLOCK_SUFFIX, FileTier, RamTier, Tier, lock_file, thread_buffer
 from .writer import WriterPool
@@ -263,6 +275,16 @@ class CacheStore:
         if self._index is None:
             raise RuntimeError("cache store is not open")
         return self._index
+
+    @property
+    def index(self) -> Index:
+        """The open store's index (RuntimeError when it is not open), for tools and tests that look inside."""
+        return self._require_open()
+
+    def tier(self, name: str) -> Tier:
+        """The open store's tier of that name."""
+        self._require_open()
+        return self._tiers[name]
 
     def _file_tiers(self) -> list[FileTier]:
         return [t for t in self._tiers.values() if isinstance(t, FileTier)]
@@ -576,7 +598,7 @@ class CacheStore:
         content-addressed, so a writer racing another over the same block writes the same bytes."""
         index = self._require_open()
         for key in keys:
-            index.settle(bytes((TIER_RANK[tier.name],)) + key)  # a deletion of its last copy is done first
+            index.settle(block_id(tier.name, key))  # a deletion of its last copy is done first
             if tier.put(key.hex(), blocks.encode_block(key, payloads[key]), claim_ok, block=True) is None:
                 raise TierWriteError(tier.name, 0, "reservation lost while writing its blocks")
 

@@ -224,7 +224,7 @@ def test_an_index_of_format_2_is_read_as_whole_state_rows(bstore, caplog: pytest
     """Rows written before blocks existed are whole-state rows: read, rewritten with one log line."""
     import lmdb
 
-    from barreld.cache import index as index_mod
+    from barreld.cache import rows as row_codec
 
     store = bstore(block_tokens=0)
     c = ckpt(64)
@@ -234,9 +234,9 @@ def test_an_index_of_format_2_is_read_as_whole_state_rows(bstore, caplog: pytest
     with env.begin(write=True) as txn:
         rows = env.open_db(b"rows", txn=txn)
         raw = txn.get(c.key, db=rows)
-        head = index_mod._ROW_HEAD.unpack_from(raw)
+        head = row_codec._ROW_HEAD.unpack_from(raw)
         assert head[12:] == (0, 0)
-        txn.put(c.key, index_mod._ROW_HEAD_2.pack(2, *head[1:12]) + raw[index_mod._ROW_HEAD.size :], db=rows)
+        txn.put(c.key, row_codec._ROW_HEAD_2.pack(2, *head[1:12]) + raw[row_codec._ROW_HEAD.size :], db=rows)
         txn.put(b"format", (2).to_bytes(4, "little"), db=env.open_db(b"meta", txn=txn))
     env.close()
     with caplog.at_level("WARNING", logger="barreld.cache"):
