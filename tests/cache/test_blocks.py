@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from barreld.cache import CacheStore, Checkpoint, TierConfig, stateformat
+from barreld.cache import CacheStore, Checkpoint, TierConfig, statecut, stateformat
 from barreld.cache.blocks import decode_block, encode_block
 from barreld.cache.errors import CorruptCheckpoint
 from barreld.cache.index import Index
@@ -274,7 +274,7 @@ def test_every_block_boundary_of_a_stored_row_restores_that_prefix(bstore) -> No
     with store.restore(store.lookup(c.key)) as got:
         layout = stateformat.parse(got.state, SPEC)
         for k in range(0, 90, B):
-            assert bytes(stateformat.cut(layout, k)) == state(k)
+            assert bytes(statecut.cut(layout, k)) == state(k)
 
 
 def test_a_row_that_a_later_row_of_blocks_extends_is_superseded(bstore) -> None:
