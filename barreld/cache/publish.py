@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from barreld.names import TIER_NAMES, MemoryKind
+from barreld.names import MemoryKind
 
 from . import blocks
 from .checkpoint import Checkpoint, encode_parts, encoded_size
@@ -70,31 +70,11 @@ class Publisher:
         with self._plock:
             return set(self._pending)
 
-    def save(
-        self,
-        ckpt: Checkpoint,
-        tier: str,
-        prefixes: Iterable[tuple[bytes, int]] = (),
-        *,
-        sync: bool = False,
-        timeout: float | None = None,
-        replaces: bytes | None = None,
-    ) -> SaveOutcome:
-        """Save a checkpoint to a tier, findable also under `prefixes` ((prefix key, n_tokens) pairs).
-
-        `replaces` names an earlier row of the same sequence: once this one is published it is dropped if this
-        one makes it redundant (see `_supersede`).
-
-        Async (default): returns at once; a full writer queue drops the save (`saves_dropped`). Sync:
-        jumps the queue and waits for the publish, at most `timeout` seconds. The store keeps references
-        to the checkpoint's buffers until the save's future is done: do not modify them before that.
-        """
+    def save(self, ckpt: Checkpoint, tier: str, *, sync: bool, timeout: float | None, replaces: bytes | None
+             ) -> SaveOutcome:
+        """Queue a save to a tier of the store, unless its key is saved or being saved already or it cannot fit;
+        wait for it when `sync` (see `CacheStore.save`)."""
         index = self._index
-        if tier not in self._tiers:
-            raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIER_NAMES)}")
-        prefixes = tuple(prefixes)
-        if prefixes:
-            ckpt = replace(ckpt, prefixes=prefixes)
         size = encoded_size(ckpt)
         key = ckpt.key
         with self._plock:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,7 +233,12 @@ class CacheStore:
         """
         self._require_open()
         assert self._publisher is not None
-        return self._publisher.save(ckpt, tier, prefixes, sync=sync, timeout=timeout, replaces=replaces)
+        if tier not in self._tiers:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIER_NAMES)}")
+        prefixes = tuple(prefixes)
+        if prefixes:
+            ckpt = replace(ckpt, prefixes=prefixes)
+        return self._publisher.save(ckpt, tier, sync=sync, timeout=timeout, replaces=replaces)
 
     def pending(self, key: bytes) -> Future | None:
         """The in-flight save of `key`, so a caller can wait for it to publish (session_resume_wait_ms)."""
@@ -338,7 +343,7 @@ class CacheStore:
         return out
 
     def dump(self, model: str | None = None, tier: str | None = None) -> list[dict]:
-        """Every row as the contract's `cache dump` shape, most recently used first.
+        """Every row in the shape `cache dump` reports, most recently used first.
 
         `location` is the file path; null for ram rows (memory has no path) and for reserved rows.
         """
@@ -380,7 +385,7 @@ class CacheStore:
                 "shared_bytes": (len(refs) * row.block_size) - own}
 
     def stats(self) -> dict:
-        """The contract's `cache stats` shape: counters; per tier bytes (= stored_bytes, what the tier holds),
+        """The shape `cache stats` reports: counters; per tier bytes (= stored_bytes, what the tier holds),
         quota, rows (reserved included), logical_bytes (what the rows would take with no block shared) and
         their ratio; and the remote tier's status (None without one)."""
         index = self._require_open()
