@@ -39,8 +39,8 @@ from .tiers import thread_buffer
 DEFAULT_BLOCK_TOKENS = 128
 """Tokens per block when the operator sets none: the smallest block the default prefill chunk (n_batch 512)
 allows. A row's tail (up to block_tokens - 1 tokens after its last whole block) is its own; with superseded
-rows dropped only each conversation's latest tail is kept, and on the agent trace of bench/RESULTS.md
-(section 8) 128 stores 1.03 times one state per distinct token, 256 1.05 times."""
+rows dropped only each conversation's latest tail is kept (bench/RESULTS.md, section 8, has the bytes stored
+per distinct token for 128 and 256)."""
 BLOCK_MAGIC = b"BRLBLK\r\n"
 BLOCK_FORMAT = 1
 _HEAD = struct.Struct("<8sII32sQ")

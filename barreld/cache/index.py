@@ -65,7 +65,7 @@ __all__ = [
 log = logging.getLogger("barreld.cache")
 
 EVICT_BATCH = 16
-"""Rows removed per transaction by an eviction or gc: each transaction stays a few milliseconds long."""
+"""Rows removed per transaction by an eviction or gc, so that each transaction stays short."""
 FOLD_BATCH = 128
 """Restores' touches folded per write: a burst of restores with no save between is written back in
 several short transactions, not one long one."""

@@ -76,7 +76,7 @@ class Row:
         """Format 3: `_ROW_HEAD` (format, status, numbers, string, alias and block counts, frontier, block
         size), then model, tier, save_reason, location ('' for none), token and memory kind joined by NUL,
         which none of them can hold, then the (alias key, n_tokens) pairs, then the block keys. Binary, so
-        open decodes 100,000 rows in a fraction of a second."""
+        open decodes a large index quickly."""
         strings = "\0".join(
             (self.model, self.tier, self.save_reason, self.location or "", self.token, self.memory)
         ).encode()

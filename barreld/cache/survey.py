@@ -23,7 +23,7 @@ class Listing(NamedTuple):
 
 
 class RowHead(NamedTuple):
-    """What open needs of a row, decoded without the rest: 100,000 of them must take well under a second."""
+    """What open needs of a row, decoded without the rest, so that open stays quick on a large index."""
 
     key: bytes
     tier: str
@@ -57,7 +57,7 @@ def survey(txn: lmdb.Transaction, db: lmdb._Database, tiers: Iterable[str], list
     location, if any) and to `lost`. Rows this version cannot read are only counted."""
     s = Survey(*(dict.fromkeys(tiers, 0) for _ in range(3)))
     used, count, logical, kept, blocks = s.used, s.count, s.logical, s.kept, s.blocks
-    for key, raw in txn.cursor(db=db):  # the hot loop of open: 100,000 rows, kept lean
+    for key, raw in txn.cursor(db=db):  # the hot loop of open, kept lean
         try:
             head, fields, _ = rows.unpack(key, raw)
         except RowFormatError:
