@@ -183,7 +183,7 @@ def evict_256m() -> dict:
     went before its last row)."""
     import random
 
-    from barreld.cache import CacheStore, Checkpoint, TierConfig, stateformat
+    from barreld.cache import CacheStore, Checkpoint, TierConfig, statecut, stateformat
     from bench.cache_core import SCHEME
 
     kv = stateformat.KvShape(1, False, 0, (stateformat.LayerShape(1, 11_520, 1, 11_520),))  # 23,040 B a cell
@@ -198,7 +198,7 @@ def evict_256m() -> dict:
             chunks = [random.Random(f"{f}" if f < 2048 else f"{i}:{f}").randbytes(cells * kv.cell_bytes)
                       for f in range(0, n, cells)]
             ckpt = Checkpoint.build(SCHEME, "bench", f"row {i}".encode(), tokens, "cold",
-                                    stateformat.assemble(shape, 0, chunks, []))
+                                    statecut.assemble(shape, 0, chunks, []))
             ckpt.layout = shape
             store.save(ckpt, "ram_file", sync=True)
         before = store.stats()["tiers"]["ram_file"]

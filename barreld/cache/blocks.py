@@ -13,7 +13,7 @@ Block file layout (little-endian):
     12  4  zero
     16 32  the block's key
     48  8  u64 payload length P
-    56  P  payload: the cells' bytes as `stateformat.chunk` writes them
+    56  P  payload: the cells' bytes as `statecut.chunk` writes them
     end-16 16  xxh3_128 of every byte before it
 
 Row value and block values are independent content-addressed values: a reader assembles a row only once
@@ -31,7 +31,7 @@ from functools import partial
 
 import xxhash
 
-from . import stateformat
+from . import statecut, stateformat
 from .checkpoint import Buffer, Chain, Checkpoint
 from .errors import CorruptCheckpoint
 from .tiers import thread_buffer
@@ -39,8 +39,8 @@ from .tiers import thread_buffer
 DEFAULT_BLOCK_TOKENS = 128
 """Tokens per block when the operator sets none: the smallest block the default prefill chunk (n_batch 512)
 allows. A row's tail (up to block_tokens - 1 tokens after its last whole block) is its own; with superseded
-rows dropped only each conversation's latest tail is kept, and on the agent trace of bench/RESULTS.md
-(section 8) 128 stores 1.03 times one state per distinct token, 256 1.05 times."""
+rows dropped only each conversation's latest tail is kept (bench/RESULTS.md, section 8, has the bytes stored
+per distinct token for 128 and 256)."""
 BLOCK_MAGIC = b"BRLBLK\r\n"
 BLOCK_FORMAT = 1
 _HEAD = struct.Struct("<8sII32sQ")
@@ -89,7 +89,7 @@ def split(ckpt: Checkpoint, block_tokens: int) -> tuple[Checkpoint, list[tuple[b
     cells = stream.cell_count if stream is not None else 0
     if cells != ckpt.frontier_tokens or cells < block_tokens:
         return None
-    pieces = stateformat.split(layout, block_tokens)
+    pieces = statecut.split(layout, block_tokens)
     keys = ckpt.key_scheme().block_keys(ckpt.tokens, block_tokens, len(pieces.blocks))
     opaque = [bytes(p) for p in pieces.opaque]
     chain = Chain(block_tokens, block_file_size(len(pieces.blocks[0])), tuple(keys),
@@ -123,7 +123,7 @@ def assemble(row: Checkpoint, load: Callable[[int], memoryview], pool: Executor 
         cell = shape.kv.cell_bytes if shape.kv is not None else 0
         counts = [chain.block_tokens] * len(chain.keys) + [chain.tail // cell if cell else 0]
         into = out or partial(thread_buffer, _assembly)
-        assembly = stateformat.Assembly(shape, chain.seq_id, counts, parts[1:], out=into)
+        assembly = statecut.Assembly(shape, chain.seq_id, counts, parts[1:], out=into)
         assembly.place(len(chain.keys), parts[0])
         _run_all([partial(_place, assembly, load, i) for i in range(len(chain.keys))], pool, helpers)
     except stateformat.StateFormatError as e:
@@ -131,7 +131,7 @@ def assemble(row: Checkpoint, load: Callable[[int], memoryview], pool: Executor 
     return replace(row, state=assembly.state, chain=None)
 
 
-def _place(assembly: stateformat.Assembly, load: Callable[[int], memoryview], i: int) -> None:
+def _place(assembly: statecut.Assembly, load: Callable[[int], memoryview], i: int) -> None:
     assembly.place(i, load(i))
 
 

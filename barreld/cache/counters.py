@@ -1,4 +1,4 @@
-"""Thread-safe counters with the names the contract's `cache stats` reports."""
+"""Thread-safe counters, under the names `cache stats` reports them by."""
 
 from __future__ import annotations
 

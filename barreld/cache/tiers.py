@@ -345,8 +345,8 @@ class FileTier(Tier):
     def read(self, location: str) -> memoryview:
         """The whole file, read into this thread's reusable buffer (no intermediate copies).
 
-        Allocating and zero-filling a fresh 35 MB buffer per restore cost more than reading the file, so
-        each thread keeps one buffer, grown as needed, and reuses it once no view of it is alive.
+        Allocating and zero-filling a fresh state-sized buffer per restore would cost more than reading the
+        file, so each thread keeps one buffer, grown as needed, and reuses it once no view of it is alive.
         """
         path = self._check_location(location)
         with open(path, "rb", buffering=0) as f:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
-from barreld.cache import stateformat
+from barreld.cache import statecut, stateformat
 from barreld.engine.backend import Backend, BatchItem
 from barreld.engine.memory import Memory
 from barreld.engine.policy import INFINITY, Policy
@@ -60,7 +60,7 @@ def state_shape(backend: Backend, memory: Memory) -> stateformat.StateShape | No
     backend.decode([BatchItem(t, i, 0, False) for i, t in enumerate(tokens)])
     try:
         spec = stateformat.StateSpec.for_memory(memory.kind, backend.mrope)
-        return stateformat.self_check(backend.state_get(0), spec)
+        return statecut.self_check(backend.state_get(0), spec)
     except stateformat.StateFormatError as exc:
         log.warning("this llama.cpp writes states the cache core cannot read (%s); whole states are stored", exc)
         return None
@@ -73,7 +73,7 @@ def state_cutter(shape: stateformat.StateShape | None, memory: Memory) -> Callab
     writes for that prefix); None for a memory that cannot be cut, or a layout the cache core does not know."""
     if shape is None or not memory.cuts_states:
         return None
-    return lambda state, k: stateformat.cut(stateformat.parse(state, shape), k)
+    return lambda state, k: statecut.cut(stateformat.parse(state, shape), k)
 
 
 class ModelCache:

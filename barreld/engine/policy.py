@@ -1,4 +1,4 @@
-"""The save policy gates of the caching guide, their defaults, and the arithmetic built on them.
+"""The save policy's gates, their defaults, and the arithmetic built on them.
 
 Saving every prefix would flood the writer pool, so saves are gated by a few thresholds, all overridable
 per model (`barrelctl load --policy K=V`, a model's `policy` table) and daemon-wide (the config's

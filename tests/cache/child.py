@@ -128,7 +128,7 @@ def gc_die(data: str, rf_root: str, n: int) -> None:
     for i in range(n):
         ckpt = checkpoint(f"doomed {i}".encode(), bytes(100))
         assert store.save(ckpt, "disk", sync=True, timeout=30).status == "published"
-    disk = store._tiers["disk"]
+    disk = store.tier("disk")
     delete = disk.delete
 
     def delete_then_die(location: str) -> None:

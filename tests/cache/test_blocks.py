@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from barreld.cache import CacheStore, Checkpoint, TierConfig, stateformat
+from barreld.cache import CacheStore, Checkpoint, TierConfig, statecut, stateformat
 from barreld.cache.blocks import decode_block, encode_block
 from barreld.cache.errors import CorruptCheckpoint
 from barreld.cache.index import Index
@@ -135,7 +135,7 @@ def test_open_drops_rows_whose_blocks_are_missing_and_blocks_no_row_names(bstore
     a, b = ckpt(64, 5), ckpt(80, 0)
     for c in (a, b):
         store.save(c, "disk", sync=True)
-    last_of_b = store._require_open().get(b.key).blocks[-1]
+    last_of_b = store.index.get(b.key).blocks[-1]
     store.close()
     (store.data_dir / "kvc" / f"{last_of_b.hex()}.kvb").unlink()
     stray = store.data_dir / "kvc" / f"{'ab' * 32}.kvb"
@@ -171,7 +171,7 @@ def test_a_corrupt_shared_block_makes_every_row_miss_until_a_save_writes_it_agai
     rows = [ckpt(64, 5), ckpt(70, 6), ckpt(80, 0)]
     for c in rows:
         store.save(c, "disk", sync=True)
-    first = store._require_open().get(rows[0].key).blocks[0]
+    first = store.index.get(rows[0].key).blocks[0]
     path = store.data_dir / "kvc" / f"{first.hex()}.kvb"
     raw = bytearray(path.read_bytes())
     raw[100] ^= 0xFF
@@ -190,7 +190,7 @@ def test_verify_checks_blocks(bstore) -> None:
     a, b = ckpt(64, 5), ckpt(16 * 5, 0)
     for c in (a, b):
         store.save(c, "disk", sync=True)
-    path = store.data_dir / "kvc" / f"{store._require_open().get(b.key).blocks[-1].hex()}.kvb"
+    path = store.data_dir / "kvc" / f"{store.index.get(b.key).blocks[-1].hex()}.kvb"
     os.truncate(path, 40)
     checked, bad = store.verify()
     assert checked == 2 and bad == [b.key.hex()] and restored(store, a) == bytes(a.state)
@@ -224,7 +224,7 @@ def test_an_index_of_format_2_is_read_as_whole_state_rows(bstore, caplog: pytest
     """Rows written before blocks existed are whole-state rows: read, rewritten with one log line."""
     import lmdb
 
-    from barreld.cache import index as index_mod
+    from barreld.cache import rows as row_codec
 
     store = bstore(block_tokens=0)
     c = ckpt(64)
@@ -234,9 +234,9 @@ def test_an_index_of_format_2_is_read_as_whole_state_rows(bstore, caplog: pytest
     with env.begin(write=True) as txn:
         rows = env.open_db(b"rows", txn=txn)
         raw = txn.get(c.key, db=rows)
-        head = index_mod._ROW_HEAD.unpack_from(raw)
+        head = row_codec._ROW_HEAD.unpack_from(raw)
         assert head[12:] == (0, 0)
-        txn.put(c.key, index_mod._ROW_HEAD_2.pack(2, *head[1:12]) + raw[index_mod._ROW_HEAD.size :], db=rows)
+        txn.put(c.key, row_codec._ROW_HEAD_2.pack(2, *head[1:12]) + raw[row_codec._ROW_HEAD.size :], db=rows)
         txn.put(b"format", (2).to_bytes(4, "little"), db=env.open_db(b"meta", txn=txn))
     env.close()
     with caplog.at_level("WARNING", logger="barreld.cache"):
@@ -274,7 +274,7 @@ def test_every_block_boundary_of_a_stored_row_restores_that_prefix(bstore) -> No
     with store.restore(store.lookup(c.key)) as got:
         layout = stateformat.parse(got.state, SPEC)
         for k in range(0, 90, B):
-            assert bytes(stateformat.cut(layout, k)) == state(k)
+            assert bytes(statecut.cut(layout, k)) == state(k)
 
 
 def test_a_row_that_a_later_row_of_blocks_extends_is_superseded(bstore) -> None:
@@ -313,13 +313,13 @@ def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, mo
     store = bstore()
     a, b = ckpt(40), ckpt(64)
     gate = threading.Event()
-    publish, tier = store._publish, store._tiers["disk"]
-    put = tier.put
+    index, tier = store.index, store.tier("disk")
+    reserve, put = index.reserve, tier.put
 
-    def held_publish(c: Checkpoint, tier_name: str, replaces: bytes | None = None):
-        if c.key == a.key:
+    def held_reserve(key: bytes, *args, **kw):
+        if key == a.key:
             assert gate.wait(10)
-        return publish(c, tier_name, replaces)
+        return reserve(key, *args, **kw)
 
     def held_put(name: str, *args, **kw):
         if name == a.key.hex():
@@ -327,7 +327,7 @@ def test_a_row_still_being_written_is_superseded_once_it_is_published(bstore, mo
         return put(name, *args, **kw)
 
     if held == "before its reservation":
-        monkeypatch.setattr(store, "_publish", held_publish)
+        monkeypatch.setattr(index, "reserve", held_reserve)
     else:
         monkeypatch.setattr(tier, "put", held_put)
     pending = store.save(a, "disk").future
@@ -344,7 +344,7 @@ def test_stats_keep_logical_bytes_without_reading_a_row(bstore, monkeypatch) -> 
     for c in (ckpt(64, 5), ckpt(70, 6), ckpt(80, 0)):
         store.save(c, "disk", sync=True)
     store.evict_bytes(1)
-    logical = {r.key: r.stored_bytes for r in store._require_open().rows()}
+    logical = {r.key: r.stored_bytes for r in store.index.rows()}
     assert len(logical) == 2
 
     def no_rows(self) -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from barreld.cache import CacheStore, Checkpoint, TierConfig, encoded_size
+from barreld.cache import CacheStore, Checkpoint, TierConfig, encoded_size, locks, tables
 from barreld.cache import index as index_mod
+from barreld.cache import rows as rows_mod
 from barreld.cache.index import Index, Row
 from barreld.names import TIER_RANK
 
@@ -61,13 +62,13 @@ class Decodes:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.n = 0
-        unpack = index_mod._unpack
+        unpack = rows_mod.unpack
 
         def counted(key: bytes, raw: bytes) -> tuple:
             self.n += 1
             return unpack(key, raw)
 
-        monkeypatch.setattr(index_mod, "_unpack", counted)
+        monkeypatch.setattr(rows_mod, "unpack", counted)
 
 
 def fill(store: CacheStore, n: int, tier: str = "disk", start: int = 0) -> None:
@@ -76,8 +77,7 @@ def fill(store: CacheStore, n: int, tier: str = "disk", start: int = 0) -> None:
 
 
 def index_of(store: CacheStore) -> Index:
-    assert store._index is not None
-    return store._index
+    return store.index
 
 
 def restore(store: CacheStore, key: bytes) -> bool:
@@ -183,13 +183,13 @@ def test_check_finds_broken_lru_alias_and_gone_entries(stores: Stores) -> None:
     store = stores()
     fill(store, 3)
     index = index_of(store)
-    env = index._env
-    with env.begin(write=True) as txn:
-        cur = txn.cursor(db=index._lru)
+    db = index.tables
+    with db.env.begin(write=True) as txn:
+        cur = txn.cursor(db=db.lru)
         assert cur.first()
-        txn.delete(cur.key(), db=index._lru)
-        txn.put(SCHEME.key(b"stray"), bytes(41), db=index._prefixes)
-        txn.put(ckpt(2).key, b"disk\0/nowhere", db=index._gone)
+        txn.delete(cur.key(), db=db.lru)
+        txn.put(SCHEME.key(b"stray"), bytes(41), db=db.prefixes)
+        txn.put(ckpt(2).key, b"disk\0/nowhere", db=db.gone)
     problems = store.check()
     assert any("missing from the lru order" in p for p in problems)
     assert any(p.startswith(f"alias {SCHEME.key(b'stray').hex()}") for p in problems)
@@ -201,7 +201,7 @@ def test_check_finds_broken_lru_alias_and_gone_entries(stores: Stores) -> None:
 
 def _hold_deletes(store: CacheStore, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Make the disk tier's deletions wait for `go`; `waiting` is set when one does."""
-    disk = store._tiers["disk"]
+    disk = store.tier("disk")
     waiting, go = threading.Event(), threading.Event()
     real = disk.delete
 
@@ -243,7 +243,7 @@ def test_gc_in_batches_spares_rows_used_after_it_began(stores: Stores, monkeypat
     store = stores()
     fill(store, 9)
     index = index_of(store)
-    drain, batches, gc_thread = index._drain_touches, [], threading.get_ident()
+    drain, batches, gc_thread = index.drain_touches, [], threading.get_ident()
 
     def between_batches() -> None:  # runs before each batch of the gc, outside the write lock (and in saves)
         if threading.get_ident() == gc_thread:
@@ -253,14 +253,14 @@ def test_gc_in_batches_spares_rows_used_after_it_began(stores: Stores, monkeypat
             batches.append(len(store.dump()))
         drain()
 
-    monkeypatch.setattr(index, "_drain_touches", between_batches)
+    monkeypatch.setattr(index, "drain_touches", between_batches)
     with store.restore(store.lookup(ckpt(4).key)) as pinned:  # type: ignore[arg-type]
         assert pinned is not None
         assert store.gc() == 7  # 9 rows, less the pinned one and the one restored during the gc
     assert batches == [9, 8, 6, 4]  # 2, 2, 2 and the last one
     assert keys(store) == {ckpt(4).key, ckpt(8).key, ckpt(20).key}
     files = {Path(r["location"]).name for r in store.dump()}
-    assert {p.name for p in (Path(store._tiers["disk"].root)).glob("*.kvc")} == files  # the rest deleted
+    assert {p.name for p in (Path(store.tier("disk").root)).glob("*.kvc")} == files  # the rest deleted
     assert store.check() == []
 
 
@@ -272,7 +272,7 @@ def test_a_save_takes_over_the_deletion_of_its_keys_old_file(
     store = stores()
     fill(store, 6)
     index = index_of(store)
-    drain, saved, gc_thread = index._drain_touches, [], threading.get_ident()
+    drain, saved, gc_thread = index.drain_touches, [], threading.get_ident()
 
     def between_batches() -> None:
         gone = store.lookup(ckpt(0).key) is None  # row 0 removed, its file not deleted yet
@@ -280,7 +280,7 @@ def test_a_save_takes_over_the_deletion_of_its_keys_old_file(
             saved.append(store.save(ckpt(0), "disk", sync=True, timeout=10).status)
         drain()
 
-    monkeypatch.setattr(index, "_drain_touches", between_batches)
+    monkeypatch.setattr(index, "drain_touches", between_batches)
     assert store.gc() == 6
     assert saved == ["published"]
     assert restore(store, ckpt(0).key) and keys(store) == {ckpt(0).key} and store.check() == []
@@ -294,7 +294,7 @@ def test_the_map_grows_past_its_initial_size_without_a_failed_save(
     stores: Stores, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     initial = 256 << 10
-    monkeypatch.setattr(index_mod, "INITIAL_MAP_SIZE", initial)
+    monkeypatch.setattr(tables, "INITIAL_MAP_SIZE", initial)
     store = stores(disk=1 << 30)
     fill(store, 10)
     done, errors = threading.Event(), []
@@ -315,7 +315,7 @@ def test_the_map_grows_past_its_initial_size_without_a_failed_save(
         done.set()
         thread.join(10)
     assert errors == [] and store.counters["saves_failed"] == 0
-    env = index_of(store)._env
+    env = index_of(store).tables.env
     in_use = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     assert in_use > 2 * initial and env.info()["map_size"] > in_use
     assert store.check() == []
@@ -326,8 +326,8 @@ def test_the_map_grows_past_its_initial_size_without_a_failed_save(
 
 
 def test_a_full_map_fails_one_save_and_grows(stores: Stores, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index_mod, "INITIAL_MAP_SIZE", 256 << 10)
-    monkeypatch.setattr(index_mod, "_GROW_AT", 100.0)  # never ahead of time: only after a MapFull
+    monkeypatch.setattr(tables, "INITIAL_MAP_SIZE", 256 << 10)
+    monkeypatch.setattr(tables, "_GROW_AT", 100.0)  # never ahead of time: only after a MapFull
     store = stores(disk=1 << 30)
     outcomes = [store.save(ckpt(i), "disk", sync=True).status for i in range(1200)]
     assert "failed" in outcomes and store.counters["saves_failed"] == outcomes.count("failed")
@@ -381,7 +381,7 @@ def test_a_format_1_index_is_read_with_one_log_line(
     assert store.check() == []
 
 
-Tamper = Callable[[lmdb.Transaction, Index], None]
+Tamper = Callable[[lmdb.Transaction, tables.Tables], None]
 
 
 def _tamper_and_reopen(
@@ -389,8 +389,8 @@ def _tamper_and_reopen(
 ) -> tuple[CacheStore, list[str]]:
     """Change the index by hand, then reopen the store: the new store and the warnings it logged."""
     index = index_of(store)
-    with index._env.begin(write=True) as txn:
-        tamper(txn, index)
+    with index.tables.env.begin(write=True) as txn:
+        tamper(txn, index.tables)
     store.close()
     with caplog.at_level(logging.WARNING, logger="barreld.cache"):
         store = stores()
@@ -403,7 +403,7 @@ def test_an_unknown_index_format_is_dropped_and_its_files_adopted(
     store = stores()
     fill(store, 5)
     store, logged = _tamper_and_reopen(
-        store, stores, caplog, lambda txn, index: txn.put(b"format", (99).to_bytes(4, "little"), db=index._meta)
+        store, stores, caplog, lambda txn, db: txn.put(b"format", (99).to_bytes(4, "little"), db=db.meta)
     )
     assert logged == [
         "the cache index is in format 99, which this version cannot read: 0 rows rewritten in format 3, 5 "
@@ -417,9 +417,9 @@ def test_an_unreadable_row_is_dropped_never_misread(stores: Stores, caplog: pyte
     store = stores()
     fill(store, 4)
 
-    def new_row_format(txn: lmdb.Transaction, index: Index) -> None:  # a format this version never wrote
-        raw = txn.get(ckpt(1).key, db=index._rows)
-        txn.put(ckpt(1).key, bytes([9]) + raw[1:], db=index._rows)
+    def new_row_format(txn: lmdb.Transaction, db: tables.Tables) -> None:  # a format this version never wrote
+        raw = txn.get(ckpt(1).key, db=db.rows)
+        txn.put(ckpt(1).key, bytes([9]) + raw[1:], db=db.rows)
 
     store, logged = _tamper_and_reopen(store, stores, caplog, new_row_format)
     assert logged == ["the cache index held 1 unreadable rows: 1 dropped, 3 kept"]
@@ -429,7 +429,7 @@ def test_an_unreadable_row_is_dropped_never_misread(stores: Stores, caplog: pyte
 
 def test_the_write_lock_serves_a_waiting_writer_before_its_holder_again() -> None:
     """A gc's transactions come back to back; a save waiting between them must get its turn."""
-    lock = index_mod._FairLock()
+    lock = locks.FairLock()
     order: list[str] = []
     lock.acquire()
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from barreld.cache.statecut import assemble, chunk, cut, self_check, split
 from barreld.cache.stateformat import (
     KvSection,
     RecurrentShape,
@@ -22,12 +23,7 @@ from barreld.cache.stateformat import (
     StateFormatError,
     StateLayout,
     StateSpec,
-    assemble,
-    chunk,
-    cut,
     parse,
-    self_check,
-    split,
 )
 from barreld.engine.backend import BatchItem
 from barreld.engine.llama_backend import ContextSettings, LlamaBackend

@@ -241,9 +241,9 @@ def _flip(path: str, at: int) -> None:
 @pytest.mark.parametrize("tier", ["ram", "ram_file", "disk"])
 def test_corrupt_payload_is_never_served(store: CacheStore, tier: str) -> None:
     ckpt = save(store, b"fragile", tier, prefixes=((SCHEME.key(b"fra"), 3),))
-    location = store._tiers[tier].location_for(ckpt.key.hex()) if tier != "ram" else ckpt.key.hex()
+    location = store.tier(tier).location_for(ckpt.key.hex()) if tier != "ram" else ckpt.key.hex()
     if tier == "ram":
-        view = store._tiers["ram"].read(location)
+        view = store.tier("ram").read(location)
         view[700] ^= 0x10
         del view
     else:
@@ -254,13 +254,13 @@ def test_corrupt_payload_is_never_served(store: CacheStore, tier: str) -> None:
         assert got is None
     assert store.counters["corrupt_files"] == 1
     assert store.lookup(ckpt.key) is None and store.lookup(SCHEME.key(b"fra")) is None
-    assert not store._tiers[tier].exists(location)
+    assert not store.tier(tier).exists(location)
     assert store.check() == []
 
 
 def test_valid_file_under_the_wrong_key_is_refused(store: CacheStore) -> None:
     a, b = save(store, b"prompt-A"), save(store, b"prompt-B")
-    disk = store._tiers["disk"]
+    disk = store.tier("disk")
     shutil.copyfile(disk.location_for(a.key.hex()), disk.location_for(b.key.hex()))
     assert restored_state(store, b.key) is None
     assert store.counters["corrupt_files"] == 1 and keys(store) == {a.key}
@@ -268,14 +268,14 @@ def test_valid_file_under_the_wrong_key_is_refused(store: CacheStore) -> None:
 
 def test_missing_file_drops_the_row(store: CacheStore) -> None:
     a = save(store, b"prompt-A")
-    os.unlink(store._tiers["disk"].location_for(a.key.hex()))
+    os.unlink(store.tier("disk").location_for(a.key.hex()))
     assert restored_state(store, a.key) is None
     assert store.dump() == [] and store.check() == []
 
 
 def test_verify_drops_bad_rows(store: CacheStore) -> None:
     saved = [save(store, f"prompt-{i}".encode(), tier) for i, tier in enumerate(["disk", "ram_file", "disk"])]
-    _flip(store._tiers["disk"].location_for(saved[2].key.hex()), 5)
+    _flip(store.tier("disk").location_for(saved[2].key.hex()), 5)
     progress: list[tuple[int, int]] = []
     assert store.verify(lambda i, n: progress.append((i, n))) == (3, [saved[2].key.hex()])
     assert progress == [(1, 3), (2, 3), (3, 3)]
@@ -331,7 +331,7 @@ def test_write_fault_fails_the_save_and_leaves_nothing(
     out = store.save(make_ckpt(b"doomed"), "disk", sync=True)
     assert out.status == "failed" and os.strerror(errno.ENOSPC) in out.detail
     assert store.counters["saves_failed"] == 1 and store.dump() == []
-    assert os.listdir(store._tiers["disk"].root) == [".lock"]
+    assert os.listdir(store.tier("disk").root) == [".lock"]
     assert store.check() == []
     monkeypatch.setattr(tiers_mod, "fault_hook", None)
     assert store.save(make_ckpt(b"doomed"), "disk", sync=True).status == "published"
@@ -370,7 +370,7 @@ def test_orphan_files_are_verified_then_adopted_with_aliases(
 ) -> None:
     prefix = SCHEME.key(b"adopt")
     a = save(store, b"adopt me", "disk", prefixes=((prefix, 5),))
-    location = store._tiers["disk"].location_for(a.key.hex())
+    location = store.tier("disk").location_for(a.key.hex())
     shutil.copyfile(location, tmp_path / "keep")
     assert store.gc() == 1
     shutil.copyfile(tmp_path / "keep", location)
@@ -393,9 +393,8 @@ def test_dead_reservations_and_missing_files_are_cleared(
     store: CacheStore, store_factory: StoreFactory
 ) -> None:
     a = save(store, b"prompt-A")
-    os.unlink(store._tiers["disk"].location_for(a.key.hex()))
-    assert store._index is not None
-    store._index.reserve(
+    os.unlink(store.tier("disk").location_for(a.key.hex()))
+    store.index.reserve(
         SCHEME.key(b"dead"), "disk", 100, model="m", tokens=1, text_bytes=4, save_reason="cold"
     )
     store = reopen(store, store_factory)
@@ -418,8 +417,8 @@ def test_orphan_whose_key_lives_in_the_other_tier_is_removed(
     store: CacheStore, store_factory: StoreFactory
 ) -> None:
     a = save(store, b"prompt-A", "ram_file")
-    copy = store._tiers["disk"].location_for(a.key.hex())
-    shutil.copyfile(store._tiers["ram_file"].location_for(a.key.hex()), copy)
+    copy = store.tier("disk").location_for(a.key.hex())
+    shutil.copyfile(store.tier("ram_file").location_for(a.key.hex()), copy)
     store = reopen(store, store_factory)
     assert store.last_reconcile is not None and store.last_reconcile.duplicates_removed == 1
     assert not os.path.exists(copy) and keys(store, "ram_file") == {a.key}
@@ -430,7 +429,7 @@ def test_a_failed_payload_delete_does_not_poison_the_key(
     store: CacheStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a = save(store, b"prompt-A")
-    disk = store._tiers["disk"]
+    disk = store.tier("disk")
 
     def broken_delete(location: str) -> None:
         raise ValueError("simulated")
@@ -456,7 +455,7 @@ def test_the_memory_kind_and_frontier_reach_the_row_the_hit_and_an_adopted_row(
     assert store.save(ckpt, "disk", sync=True, timeout=10).status == "published"
     assert (store.lookup(ckpt.key).frontier, store.lookup(SCHEME.key(b"a prompt")).frontier) == (8, 8)
     assert [(r["memory"], r["frontier"], r["tokens"]) for r in store.dump()] == [("hybrid", 8, len(ckpt.tokens))]
-    location = store._tiers["disk"].location_for(ckpt.key.hex())
+    location = store.tier("disk").location_for(ckpt.key.hex())
     keep = Path(location).read_bytes()
     assert store.gc() == 1
     Path(location).write_bytes(keep)  # a file with no row, as after a crash between write and index

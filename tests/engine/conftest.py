@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from barreld.cache import CacheStore, Checkpoint, SaveOutcome, TierConfig
+from barreld.cache import CacheStore, SaveOutcome, TierConfig
+from barreld.cache.index import Reservation
 from barreld.engine.backend import BatchItem, ContextSettings
 from barreld.engine.policy import Policy
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
@@ -189,10 +190,17 @@ class WatchedStore(CacheStore):
             self.futures.append(outcome.future)
         return outcome
 
-    def _publish(self, ckpt: Checkpoint, tier_name: str, replaces: bytes | None = None) -> SaveOutcome:
-        if not self.publishing.wait(EVENT_TIMEOUT):
-            raise AssertionError("publishing held too long; a test forgot to set it")
-        return super()._publish(ckpt, tier_name, replaces)
+    def open(self) -> WatchedStore:
+        super().open()
+        reserve = self.index.reserve
+
+        def held(*args: Any, **kwargs: Any) -> Reservation:  # the writer's first step
+            if not self.publishing.wait(EVENT_TIMEOUT):
+                raise AssertionError("publishing held too long; a test forgot to set it")
+            return reserve(*args, **kwargs)
+
+        self.index.reserve = held  # type: ignore[method-assign]
+        return self
 
     def settle(self) -> None:
         for fut in list(self.futures):

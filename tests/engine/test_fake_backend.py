@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from barreld.cache import stateformat
+from barreld.cache import statecut, stateformat
 from barreld.cache.key import fingerprint_gguf
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
 from barreld.names import MemoryKind
@@ -86,8 +86,8 @@ def test_state_holds_exactly_the_cells_and_a_cut_drops_positions(be: FakeBackend
 
 def test_states_are_in_llama_cpps_layout_and_cut_as_llama_cpp_writes_a_prefix(be: FakeBackend) -> None:
     be.decode(items([10, 11, 12, 13, 14]))
-    shape = stateformat.self_check(be.state_get(0), stateformat.StateSpec.for_memory(MemoryKind.FULL))
-    cut = stateformat.cut(stateformat.parse(be.state_get(0), shape), 3)
+    shape = statecut.self_check(be.state_get(0), stateformat.StateSpec.for_memory(MemoryKind.FULL))
+    cut = statecut.cut(stateformat.parse(be.state_get(0), shape), 3)
     be.seq_rm(0, 3, -1)
     assert bytes(cut) == bytes(be.state_get(0))
 

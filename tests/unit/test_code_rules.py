@@ -1,7 +1,8 @@
 """Rules a reviewer would otherwise check by hand, so that a newcomer's change is told at once.
 
-Short functions, docstrings that state facts instead of pointing at documents a user of the repository does
-not have, the domain's names defined in one place (`barreld.names`), and imports that point down one declared
+Short functions and files, docstrings that state facts instead of pointing at documents a user of the repository
+does not have, the domain's names defined in one place (`barreld.names`), tests that go through the public
+functions of the cache store and index, never their private attributes, and imports that point down one declared
 order of layers, with no cycle, so the tree drawn from the imports is the one the README's code map shows."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("barreld", "barrelctl")
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 MAX_FUNCTION_LINES = 50
+MAX_FILE_LINES = 600
+STORE_OR_INDEX = re.compile(r"(store|index|idx|st)(_of)?$", re.IGNORECASE)  # `store`, `bstore`, `index_of(...)`, ...
 CITATION = re.compile(r"CONTRACT\.md|FACTS\.md|STYLE\.md|caching-guide|\bthe guide\b|\b[Ii]ssue \d+", re.ASCII)
 
 
@@ -40,6 +43,55 @@ def test_no_function_is_longer_than_fifty_lines(path: Path) -> None:
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, f"split these: {long}"
+
+
+@pytest.mark.parametrize("path", sources(*PACKAGES), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_file_is_longer_than_six_hundred_lines(path: Path) -> None:
+    """Generated code aside: a longer module does more than one job, and splits along its seams."""
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_FILE_LINES, f"{lines} lines: split it along its seams"
+
+
+def _ends_in(node: ast.expr) -> str:
+    """The name an expression ends in: `store` for `store`, `x.store` and `index_of(store)`'s `index_of`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return _ends_in(node.func) if isinstance(node, ast.Call) else ""
+
+
+def _private_reads(tree: ast.AST) -> list[ast.Attribute]:
+    """`store._x`, `index._x` (however the store or index is named or reached) and `super()._x` in a subclass
+    of either: the reads of a private attribute of a cache store or index."""
+    subclasses = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                  and any(STORE_OR_INDEX.search(_ends_in(b)) for b in c.bases)]
+    supers = {id(n) for c in subclasses for n in ast.walk(c) if isinstance(n, ast.Attribute)
+              and isinstance(n.value, ast.Call) and _ends_in(n.value) == "super"}
+    return [
+        n for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+        and (STORE_OR_INDEX.search(_ends_in(n.value)) or id(n) in supers)
+    ]
+
+
+def test_no_test_reads_a_private_attribute_of_a_store_or_index() -> None:
+    """Tests go through public functions (`store.index`, `store.tier(name)`, `index.tables`, ...), so the cache
+    can be rearranged without rewriting them."""
+    found = [
+        f"{p.relative_to(ROOT)}:{n.lineno}: .{n.attr}"
+        for p in sources("tests")
+        for n in _private_reads(ast.parse(p.read_text()))
+    ]
+    assert not found, "read it through a public function:\n" + "\n".join(found)
+
+
+def test_the_private_read_rule_sees_one() -> None:
+    reads = _private_reads(ast.parse(
+        "store._tiers\nindex_of(s)._env\nclass W(CacheStore):\n    def f(self):\n        super()._publish()\n"
+        "store.tier('disk').root\nrows_mod._unpack\n"
+    ))
+    assert sorted(n.attr for n in reads) == ["_env", "_publish", "_tiers"]
 
 
 def test_no_code_cites_a_document_outside_the_repository() -> None:
