@@ -39,7 +39,7 @@ from .index import AVAILABLE, Hit, Index, Payload, Row
 from .publish import Publisher, SaveOutcome
 from .repair import ReconcileReport, Repair
 from .restore import Reader
-from .tiers import FileTier, RamTier, Tier, lock_file
+from .tiers import FileTier, RamTier, Tier, hold_lock
 from .writer import WriterPool
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class CacheStore:
         if Path(ram_file_root).absolute() == Path(disk_root).absolute():
             raise ValueError("the ram_file and disk tiers need different roots")
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lock_fd = lock_file(self.data_dir / "cache.lock", f"data dir {self.data_dir}")
+        self._lock_fd = hold_lock(self.data_dir / "cache.lock", f"data dir {self.data_dir}")
         try:
             self._tiers = {
                 "ram": RamTier(self._configs["ram"].quota),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import re
@@ -23,6 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
+
+from barreld import paths
 
 from .checkpoint import Buffer
 from .errors import StoreLocked, TierWriteError
@@ -272,7 +273,7 @@ class FileTier(Tier):
 
     def lock(self) -> None:
         """Take this directory for our process alone: two daemons must never reconcile one root."""
-        self._lock_fd = lock_file(self.root / LOCK_NAME, f"tier {self.name}: {self.root}")
+        self._lock_fd = hold_lock(self.root / LOCK_NAME, f"tier {self.name}: {self.root}")
 
     def unlock(self) -> None:
         """Release the directory lock (closing the descriptor drops the flock)."""
@@ -427,12 +428,10 @@ class FileTier(Tier):
         return removed
 
 
-def lock_file(path: Path, what: str) -> int:
-    """Hold an exclusive flock on `path` (created 0600); the kernel drops it when we die."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreLocked(f"{what} is in use by another process") from None
+def hold_lock(path: Path, what: str) -> int:
+    """The descriptor holding `path`'s lock (see `barreld.paths.lock_file`); StoreLocked while another process
+    holds it."""
+    fd = paths.lock_file(path, wait=False)
+    if fd is None:
+        raise StoreLocked(f"{what} is in use by another process")
     return fd

@@ -42,7 +42,7 @@ class KeyFunction(Protocol):
 
 
 @dataclass(frozen=True)
-class Payload:
+class SavedState:
     """What a save of a sequence stores: a state holding its first `frontier` tokens, and their logits."""
 
     state: StateBytes
@@ -166,7 +166,7 @@ class ModelCache:
         if not keeps:
             self.save_sync(seq, "evict")
 
-    def payload(self, seq: Sequence) -> Payload | None:
+    def payload(self, seq: Sequence) -> SavedState | None:
         """What a save of the sequence stores, or None when nothing of it can ever be reused."""
         frontier, logits = seq.frontier, seq.frontier_logits
         if self.memory.cuts_states or len(seq.tokens) == frontier:
@@ -179,7 +179,7 @@ class ModelCache:
             state = None
         if state is None or not self.memory.reusable(frontier, logits is not None):
             return None
-        return Payload(state, frontier, logits)
+        return SavedState(state, frontier, logits)
 
     def _cut(self, state: bytearray, frontier: int) -> StateBytes:
         """The state cut at the frontier; whole (a restore cuts it then) when the layout is not understood."""
@@ -220,7 +220,7 @@ class ModelCache:
             seq.origin = key
         return outcome.status == "published" if sync else outcome.status == "queued"
 
-    def _checkpoint(self, seq: Sequence, key: bytes, rendered: bytes, reason: str, payload: Payload) -> Checkpoint:
+    def _checkpoint(self, seq: Sequence, key: bytes, rendered: bytes, reason: str, payload: SavedState) -> Checkpoint:
         from barreld.cache import Checkpoint
 
         logits = payload.logits

@@ -1,4 +1,4 @@
-"""The one flock helper every lock goes through (the data dir, the autostart race, the test models made once)."""
+"""The one flock helper every lock goes through (the data dir, the autostart race, the cache tiers, the test models)."""
 
 from __future__ import annotations
 
