@@ -10,8 +10,16 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-TIER_NAMES: tuple[str, ...] = ("ram", "ram_file", "disk")
-"""The local tiers, fastest first: a lookup that finds one checkpoint in two tiers prefers the earlier."""
+
+class TierName(StrEnum):
+    """The local tiers, fastest first: a lookup that finds one checkpoint in two tiers prefers the earlier."""
+
+    RAM = "ram"
+    RAM_FILE = "ram_file"
+    DISK = "disk"
+
+
+TIER_NAMES: tuple[str, ...] = tuple(TierName)
 
 TIER_RANK: dict[str, int] = {name: rank for rank, name in enumerate(TIER_NAMES)}
 
@@ -58,8 +66,31 @@ class Fingerprint:
     def __str__(self) -> str:
         return self.mode.value if self.digest is None else f"{self.mode.value}:{self.digest}"
 
-SAVE_REASONS: tuple[str, ...] = ("cold", "continued", "finish", "evict", "shutdown")
-"""The five moments a checkpoint is saved; each has its `saves_<reason>` counter."""
+class SaveReason(StrEnum):
+    """The five moments a checkpoint is saved; each has its `saves_<reason>` counter."""
+
+    COLD = "cold"
+    CONTINUED = "continued"
+    FINISH = "finish"
+    EVICT = "evict"
+    SHUTDOWN = "shutdown"
+
+    @property
+    def counter(self) -> str:
+        return f"saves_{self.value}"
+
+
+SAVE_REASONS: tuple[str, ...] = tuple(SaveReason)
+
+
+class FinishReason(StrEnum):
+    """Why a reply ended, as every route reports it (OpenAI's routes say `tool_calls` for a reply that called
+    tools, Anthropic's its own stop reasons)."""
+
+    STOP = "stop"  # the model ended its turn, or a stop string
+    LENGTH = "length"  # max_tokens, or the context is full
+    CANCELLED = "cancelled"  # the client went away
+    EXPLAIN = "explain"  # a look-up-only request: nothing was generated
 
 
 class Route(StrEnum):

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import threading
 
+from barreld.names import Route, SaveReason
+
 COUNTER_NAMES: tuple[str, ...] = (
-    "hits_exact",
-    "hits_resume",
-    "hits_longest_prefix",
-    "hits_live",
-    "misses",
-    "saves_cold",
-    "saves_continued",
-    "saves_finish",
-    "saves_evict",
-    "saves_shutdown",
+    *(route.counter for route in Route),  # requests by how they were warm-started
+    *(reason.counter for reason in SaveReason),  # saves by their moment
     "saves_dropped",
     "saves_duplicate",
     "saves_failed",

@@ -27,7 +27,7 @@ from barreld.engine.backend import Backend, BatchItem
 from barreld.engine.memory import Memory
 from barreld.engine.policy import INFINITY, Policy
 from barreld.engine.sequence import Sequence
-from barreld.names import MemoryKind
+from barreld.names import MemoryKind, SaveReason
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore, Checkpoint
@@ -141,13 +141,13 @@ class ModelCache:
         interval = self.policy.continued_interval
         return self.store is not None and interval != float("inf") and generated % interval == 0
 
-    def save_async(self, seq: Sequence, reason: str) -> None:
+    def save_async(self, seq: Sequence, reason: SaveReason) -> None:
         self._save(seq, reason, sync=False)
 
-    def save_sync(self, seq: Sequence, reason: str) -> bool:
+    def save_sync(self, seq: Sequence, reason: SaveReason) -> bool:
         return self._save(seq, reason, sync=True)
 
-    def save_all(self, seqs: list[Sequence], reason: str) -> int:
+    def save_all(self, seqs: list[Sequence], reason: SaveReason) -> int:
         """Saves every sequence whose state is not stored yet, within evict_save_timeout_ms in all."""
         deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
         saved = 0
@@ -164,7 +164,7 @@ class ModelCache:
         else:
             keeps = seq.snapshot is None or k >= seq.snapshot.length
         if not keeps:
-            self.save_sync(seq, "evict")
+            self.save_sync(seq, SaveReason.EVICT)
 
     def payload(self, seq: Sequence) -> SavedState | None:
         """What a save of the sequence stores, or None when nothing of it can ever be reused."""
@@ -191,7 +191,7 @@ class ModelCache:
             log.warning("%s: a state could not be cut (%s); it is stored whole", self.model, exc)
             return state
 
-    def _save(self, seq: Sequence, reason: str, *, sync: bool, deadline: float | None = None) -> bool:
+    def _save(self, seq: Sequence, reason: SaveReason, *, sync: bool, deadline: float | None = None) -> bool:
         if self.store is None or not self.policy.allows_save(seq.frontier):
             return False
         if not sync and self.drop_async_saves:

@@ -82,7 +82,7 @@ class Token:
 @dataclass
 class Done:
     text: bytes
-    finish_reason: str
+    finish_reason: str  # a FinishReason
     key: bytes
     prompt_key: bytes
     cache: CacheReport

@@ -28,7 +28,7 @@ from barreld.engine.backend import Backend, BackendError
 from barreld.engine.model_cache import ModelCache
 from barreld.engine.plan import common_prefix_len
 from barreld.engine.sequence import Sequence, Snapshot
-from barreld.names import Route
+from barreld.names import Route, SaveReason
 
 if TYPE_CHECKING:
     from barreld.cache import Checkpoint, Hit
@@ -214,7 +214,7 @@ class WarmStarts:
         if empty:
             return empty[0]
         victim = min(idle, key=lambda s: s.last_used)
-        self.cache.save_sync(victim, "evict")
+        self.cache.save_sync(victim, SaveReason.EVICT)
         self.backend.seq_rm(victim.id, 0, -1)
         victim.clear()
         return victim

@@ -45,6 +45,7 @@ from barreld.engine.stops import StopScanner
 from barreld.engine.tools import forced_grammar, format_of
 from barreld.engine.warmstart import WarmStart, WarmStarts
 from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
+from barreld.names import FinishReason, SaveReason
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class ModelWorker:
                     # A chunk that did not fit gets a prefill-only tick; uncapped, a prefill runs to its end.
                     while (waited or self.cache.uncapped) and self._prefilling():
                         waited = self._tick(prefill_only=True)
-            self._shutdown_saved = self.cache.save_all(self.seqs, "shutdown")
+            self._shutdown_saved = self.cache.save_all(self.seqs, SaveReason.SHUTDOWN)
         except Exception:
             log.exception("worker for %s crashed", self.name)
             with self._cond:
@@ -225,7 +226,7 @@ class ModelWorker:
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
         req.timings.total = time.perf_counter() - req.submitted
         t = req.timings
-        req.events.put(Done(b"", "explain", req.prompt_key, req.prompt_key, req.cache, req.prompt_tokens, 0,
+        req.events.put(Done(b"", FinishReason.EXPLAIN, req.prompt_key, req.prompt_key, req.cache, req.prompt_tokens, 0,
                             type(t)(_ms(t.lookup), 0.0, 0.0, 0.0, _ms(t.total))))
 
     def _prompt(self, p: CompletionParams) -> tuple[list[int], bytes, list[int]]:
@@ -278,7 +279,7 @@ class ModelWorker:
     def _tick(self, prefill_only: bool = False) -> bool:
         """One batch; returns whether a prefill chunk had to wait for room."""
         for req in [r for r in self._active if r.cancelled.is_set()]:
-            self._finish(req, "cancelled")
+            self._finish(req, FinishReason.CANCELLED)
         self._sample_stored()
         active = list(self._active)
         slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending) for r in active]
@@ -308,7 +309,7 @@ class ModelWorker:
             seq.append(t, self.backend.piece(t), prefilled=True)
         seq.frontier_logits = logits
         if end == req.cold_at:
-            self.cache.save_async(seq, "cold")
+            self.cache.save_async(seq, SaveReason.COLD)
         if end == req.snapshot_at:
             self.starts.snapshot(seq)
         if end == len(req.target):
@@ -321,7 +322,7 @@ class ModelWorker:
         seq.append(req.pending, self.backend.piece(req.pending), prefilled=False)
         req.pending = None
         if self.cache.continued_due(req.generated):
-            self.cache.save_async(seq, "continued")
+            self.cache.save_async(seq, SaveReason.CONTINUED)
         self._take(req, logits)
 
     def _sample_stored(self) -> None:
@@ -345,7 +346,7 @@ class ModelWorker:
             req.first_token_at = now
             req.timings.ttft = now - req.submitted
         if self.backend.is_eog(token):
-            self._finish(req, "stop", token)
+            self._finish(req, FinishReason.STOP, token)
             return
         if req.params.logprobs is not None:
             req.logprobs.append(self._logprob(logits, token, req.params.logprobs))
@@ -353,9 +354,9 @@ class ModelWorker:
         if out:
             req.events.put(Token(out, self._unsent_logprobs(req)))
         if req.scanner.stopped:
-            self._finish(req, "stop", token)
+            self._finish(req, FinishReason.STOP, token)
         elif req.generated >= req.params.max_tokens or len(seq.tokens) + 1 >= self.backend.n_ctx:
-            self._finish(req, "length", token)
+            self._finish(req, FinishReason.LENGTH, token)
         else:
             req.pending = token
 
@@ -384,7 +385,7 @@ class ModelWorker:
         req.logprobs_sent = len(req.logprobs)
         return unsent
 
-    def _finish(self, req: Request, reason: str, last: int | None = None) -> None:
+    def _finish(self, req: Request, reason: FinishReason, last: int | None = None) -> None:
         """Appends the last sampled token to the sequence's text, hands the finish save to the writers, then
         answers.
 
@@ -392,7 +393,7 @@ class ModelWorker:
         checkpoint finds it stored or in flight (and waits for it), never missing.
         """
         seq = self.seqs[req.seq]
-        if reason == "cancelled":
+        if reason is FinishReason.CANCELLED:
             log.info("request %d cancelled by its client after %d tokens; generation stopped", req.id, req.generated)
             last = req.pending
         req.pending = None
@@ -402,7 +403,7 @@ class ModelWorker:
         if last is not None and len(seq.tokens) >= len(req.target):
             # Text only: a generated token's KV is never reused, so it is not evaluated (see Sequence).
             seq.append(last, self.backend.piece(last), prefilled=False)
-        self.cache.save_async(seq, "finish")
+        self.cache.save_async(seq, SaveReason.FINISH)
         req.timings.total = time.perf_counter() - req.submitted
         t = req.timings
         req.events.put(
