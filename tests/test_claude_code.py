@@ -35,7 +35,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     template = tmp_path_factory.mktemp("claude") / "dialogue.jinja"
     template.write_text(dialogue_template())
     model = (f'\n[[models]]\nname = "gemma"\npath = "{gemma_path()}"\nn_ctx = 32768\naliases = ["claude-*"]\n'
-             f'chat_template = "{template}"\nstop = ["\\n\\n", "\\nUser:", "\\nAssistant:"]\n')
+             f'chat_template = "{template}"\nstop = ["\\n"]\n')
     with Sandbox.new(model, label="claude") as box:
         yield Daemon(box)
 

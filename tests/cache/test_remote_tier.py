@@ -152,7 +152,8 @@ def test_a_paused_server_times_out_into_a_miss(host: Host, redis_server: RedisSe
 def test_tiny_maxmemory_with_lru_evicts_while_barrel_writes(host: Host, redis_server: RedisServer) -> None:
     admin = redis_server.admin()
     admin.config_set("maxmemory-policy", "allkeys-lru")
-    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 400_000)
+    admin.config_set("maxmemory-samples", 10)  # near-true LRU: the newest rows keep all their parts
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 600_000)
     a, b = host("a"), host("b")
     ckpts = [make_ckpt(b"evicted or not %d" % i, 60_000) for i in range(20)]
     for c in ckpts:
