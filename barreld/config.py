@@ -102,7 +102,7 @@ class ModelConfig:
     chat_template: str | None = None  # the text of the Jinja file the entry names, in place of the GGUF's
     stop: tuple[str, ...] | None = None  # where the model's turn ends in a chat, beyond its end-of-turn token
 
-    def knobs(self) -> dict[str, Any]:
+    def load_settings(self) -> dict[str, Any]:
         """What this entry sets, by LoadOptions' names: the others keep the registry's defaults, written once
         there."""
         names = ("path", "tier", "n_ctx", "n_batch", "n_seq_max", "fingerprint", "n_threads", "n_gpu_layers",

@@ -88,7 +88,7 @@ class ModelWorker:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
         turn_ends = self.turn_ends if params.messages or params.chat else ()
-        params = dataclasses.replace(params, prompt=self._prompt_bytes(params), messages=(), chat=False,
+        params = dataclasses.replace(params, prompt=self.render(params), messages=(), chat=False,
                                      sampling=self._tool_sampling(params), turn_ends=turn_ends)
         with self._cond:
             if self._stopping:
@@ -238,8 +238,8 @@ class ModelWorker:
         pieces = [self.backend.piece(t) for t in tokens]
         return tokens, b"".join(pieces), byte_offsets(pieces)
 
-    def _prompt_bytes(self, p: CompletionParams) -> bytes:
-        """The raw prompt, or the conversation rendered through the chat template."""
+    def render(self, p: CompletionParams) -> bytes:
+        """The raw prompt, or the conversation rendered through the chat template; on the caller's thread."""
         messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
         if not messages:
             return p.prompt
@@ -247,14 +247,10 @@ class ModelWorker:
         template = p.chat_template or be.chat_template
         return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
 
-    def render(self, params: CompletionParams) -> bytes:
-        """The prompt's bytes as a request with these parameters would have them; on the caller's thread."""
-        return self._prompt_bytes(params)
-
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
         vocabulary, so it runs on the caller's thread beside the model's."""
-        return len(self.backend.tokenize(self._prompt_bytes(params)))
+        return len(self.backend.tokenize(self.render(params)))
 
     def _tool_sampling(self, p: CompletionParams) -> SamplingParams:
         """The request's sampling, with a forced tool call's grammar written for this model's template."""

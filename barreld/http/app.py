@@ -242,7 +242,7 @@ class HttpApi:
         """The reply, with whether it keeps the prefix when it called tools (a template's render, off the loop)."""
         if req.tools is None or not req.messages:
             return done
-        kept = await anyio.to_thread.run_sync(prefix_kept, events.loaded, req, done, stream.resend)
+        kept = await anyio.to_thread.run_sync(prefix_kept, events.loaded, req, events.prompt, done, stream.resend)
         return done if kept is None else dataclasses.replace(done, prefix_kept=kept)
 
     async def _sse(self, events: Events, stream: Stream, req: ApiRequest,
@@ -266,10 +266,11 @@ class HttpApi:
             events.cancel()
 
 
-def prefix_kept(model: LoadedModel, req: ApiRequest, done: Done, resend: Callable[[ToolCall], ToolCall]) -> bool | None:
+def prefix_kept(model: LoadedModel, req: ApiRequest, prompt: bytes, done: Done,
+                resend: Callable[[ToolCall], ToolCall]) -> bool | None:
     """Whether a reply that called tools, sent back in the history as the route's clients send it (`resend`),
-    renders through the model's template to the bytes it was generated from, so that the next turn restores
-    through it; None for a reply without calls."""
+    renders through the model's template to the bytes it was generated from (`prompt`, as the worker rendered
+    it, then the reply), so that the next turn restores through it; None for a reply without calls."""
     assert req.tools is not None
     content, calls = split_calls(done.text.decode("utf-8", "replace"), req.tools)
     if not calls:
@@ -277,7 +278,7 @@ def prefix_kept(model: LoadedModel, req: ApiRequest, done: Done, resend: Callabl
     params = req.params(model.options.n_ctx)
     turn = Message("assistant", content, tuple(resend(c) for c in calls))
     after = model.worker.render(dataclasses.replace(params, messages=(*params.messages, turn)))
-    return after.startswith(model.worker.render(params) + done.text)
+    return after.startswith(prompt + done.text)
 
 
 class Stream(Protocol):
@@ -353,6 +354,12 @@ class Events:
     def model(self) -> str:
         """The model's name, known once the first event has arrived."""
         return self.loaded.name
+
+    @property
+    def prompt(self) -> bytes:
+        """The prompt's bytes as the worker rendered them, known once the first event has arrived."""
+        assert self._call is not None
+        return self._call.request.params.prompt
 
     @property
     def loaded(self) -> LoadedModel:

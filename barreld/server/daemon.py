@@ -141,7 +141,7 @@ class Daemon:
 
     def _load_configured_models(self) -> None:
         for m in self.config.models:
-            opts = LoadOptions(policy=m.policy.as_dict(), aliases=m.aliases, **m.knobs())
+            opts = LoadOptions(policy=m.policy.as_dict(), aliases=m.aliases, **m.load_settings())
             try:
                 self.registry.load(m.name, opts)
             except BarrelError as exc:

@@ -80,7 +80,7 @@ HYBRID = TinySpec(arch="lfm2")
 
 def tiny_recurrent_path() -> Path:
     """A tiny Mamba model: every layer a selective state-space block, so the memory is recurrent only."""
-    return _made_once(cache_dir() / RECURRENT.file_name(), lambda temp: _write_tiny(RECURRENT, temp))
+    return tiny_path(RECURRENT)
 
 
 def tiny_path(spec: TinySpec) -> Path:
@@ -90,7 +90,7 @@ def tiny_path(spec: TinySpec) -> Path:
 
 def tiny_hybrid_path() -> Path:
     """A tiny LFM2 model: short-convolution (recurrent) layers with attention layers between them."""
-    return _made_once(cache_dir() / HYBRID.file_name(), lambda temp: _write_tiny(HYBRID, temp))
+    return tiny_path(HYBRID)
 
 
 def _write_tiny(spec: TinySpec, out: Path) -> None:

@@ -169,16 +169,16 @@ def test_values_are_read(tmp_path: Path) -> None:
     assert model.policy.min_tokens == 64
     assert model.policy.boundary_align_tokens == 256
     assert model.policy.prefill_chunk_size == math.inf
-    assert model.knobs() == {"path": gguf, "tier": "ram", "n_ctx": 8192, "n_batch": 256, "n_seq_max": 4,
+    assert model.load_settings() == {"path": gguf, "tier": "ram", "n_ctx": 8192, "n_batch": 256, "n_seq_max": 4,
                              "fingerprint": model.fingerprint, "n_threads": 3, "n_gpu_layers": 0, "flash_attn": True,
                              "type_k": "q8_0", "type_v": "q4_0", "swa_full": False}
-    assert LoadOptions(**model.knobs()).n_ctx == 8192 and LoadOptions().n_ctx == 4096  # unset: the registry's
+    assert LoadOptions(**model.load_settings()).n_ctx == 8192 and LoadOptions().n_ctx == 4096  # unset: the registry's
 
 
 def test_a_models_turn_ends_are_read(tmp_path: Path) -> None:
     config = load(tmp_path, "[[models]]\nname = 'smollm2'\nstop = [\"\\nUser:\", \"\\nAssistant:\"]\n")
     assert config.models[0].stop == ("\nUser:", "\nAssistant:")
-    assert config.models[0].knobs()["stop"] == ("\nUser:", "\nAssistant:")
+    assert config.models[0].load_settings()["stop"] == ("\nUser:", "\nAssistant:")
 
 
 def test_a_models_aliases_are_read(tmp_path: Path) -> None:
@@ -191,7 +191,7 @@ def test_a_models_aliases_are_read(tmp_path: Path) -> None:
 def test_a_models_chat_template_is_read_from_its_file_beside_the_config(tmp_path: Path) -> None:
     (tmp_path / "gemma.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     config = load(tmp_path, "[[models]]\nname = 'smollm2'\nchat_template = 'gemma.jinja'\n")
-    assert config.models[0].knobs()["chat_template"].startswith("{% for m in messages %}")
+    assert config.models[0].load_settings()["chat_template"].startswith("{% for m in messages %}")
 
 
 def test_config_is_frozen(tmp_path: Path) -> None:

@@ -43,10 +43,13 @@ def done(text: str) -> Done:
 ])
 def test_a_tool_reply_keeps_the_prefix_when_it_comes_back_as_it_was_written(reply: str, openai: bool | None,
                                                                             anthropic: bool | None) -> None:
+    m = model()
     as_openai = parse_request({"model": "m", "messages": ASK, "tools": [FUNCTION]}, chat=True)
-    assert prefix_kept(model(), as_openai, done(reply), lambda c: c) is openai
+    prompt = m.worker.render(as_openai.params(4096))
+    assert prefix_kept(m, as_openai, prompt, done(reply), lambda c: c) is openai
     as_anthropic = parse_messages({"model": "m", "max_tokens": 8, "messages": ASK, "tools": [TOOL]})
-    assert prefix_kept(model(), as_anthropic, done(reply), resent_tool_use) is anthropic
+    prompt = m.worker.render(as_anthropic.params(4096))
+    assert prefix_kept(m, as_anthropic, prompt, done(reply), resent_tool_use) is anthropic
 
 
 def test_a_call_resent_through_anthropic_reads_back_as_any_tool_use_block_does() -> None:
