@@ -13,13 +13,8 @@ loads cost nothing.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.metadata
-import importlib.util
-import json
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -28,6 +23,7 @@ from pathlib import Path
 
 from barreld.deaths import TROUBLESHOOTING, describe, signal_name
 from barreld.engine.backend import ModelLoadError
+from barreld.engine.memo import JsonMemo, cache_dir, cpu_identity, verdict_key
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +41,6 @@ OPTIONAL_ISA = (
 # Options a portable x86 build has on unless told otherwise: turned off where the CPU lacks them.
 DEFAULT_ISA = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
                ("bmi2", "GGML_BMI2"))
-
-
-def cpu_identity() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and feature flags, as the kernel lists them for the first processor."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break  # the first processor's block ends
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    flags = fields.get("flags") or fields.get("Features") or ""
-    return fields.get("model name") or platform.machine(), frozenset(flags.split())
 
 
 def cmake_args(flags: frozenset[str]) -> str:
@@ -78,30 +61,14 @@ def rebuild_command() -> str:
             f"--no-deps --no-cache-dir llama-cpp-python{version}")
 
 
-def _library_files() -> list[tuple[str, int, int]]:
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    lib = Path(list(spec.submodule_search_locations)[0]) / "lib"
-    found = []
-    for p in sorted(lib.glob("*")) if lib.is_dir() else []:
-        st = p.stat()
-        found.append((str(p), st.st_size, st.st_mtime_ns))
-    return found
-
-
 def check_key(model: Path) -> str:
     """What a passed check holds for: the llama.cpp library files, the CPU, the model file."""
-    st = model.stat()
-    name, flags = cpu_identity()
-    what = {"lib": _library_files(), "cpu": [name, sorted(flags)], "model": [str(model), st.st_size, st.st_mtime_ns]}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    return verdict_key(model)
 
 
 def default_memo() -> Path:
     """$XDG_CACHE_HOME/barrel/decode-checks.json (~/.cache when unset): per user, shared by its daemons."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "barrel" / "decode-checks.json"
+    return cache_dir() / "decode-checks.json"
 
 
 def child_command(model: Path) -> list[str]:
@@ -113,12 +80,12 @@ class DecodeCheck:
     """The registry's load check: raises ModelLoadError when the child died of a signal."""
 
     def __init__(self, memo: Path | None = None, timeout: float = CHILD_TIMEOUT_S) -> None:
-        self.memo = memo or default_memo()
+        self.memo = JsonMemo(memo or default_memo())
         self.timeout = timeout
 
     def __call__(self, model: Path) -> None:
         key = check_key(model)
-        if key in self._passed():
+        if self.memo.get(key) is not None:
             return
         t0 = time.monotonic()
         try:
@@ -133,26 +100,8 @@ class DecodeCheck:
         if child.returncode != 0:  # an error it could report: the load in this process reports it again
             log.info("decode check of %s: the child could not load it (exit %d)", model, child.returncode)
             return
-        self._remember(key, model, seconds)
-        log.info("decode check of %s passed in %.2f s (remembered in %s)", model.name, seconds, self.memo)
-
-    def _passed(self) -> dict[str, object]:
-        try:
-            passed = json.loads(self.memo.read_text())
-        except (OSError, ValueError):
-            return {}
-        return passed if isinstance(passed, dict) else {}
-
-    def _remember(self, key: str, model: Path, seconds: float) -> None:
-        passed = self._passed()
-        passed[key] = {"model": str(model), "at": time.time(), "seconds": round(seconds, 3)}
-        try:
-            self.memo.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.memo.with_name(f".{self.memo.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(passed, indent=1))
-            os.replace(tmp, self.memo)
-        except OSError as exc:  # a read-only home: the check runs again next time, nothing worse
-            log.info("cannot remember the decode check in %s: %s", self.memo, exc.strerror)
+        self.memo.put(key, {"model": str(model), "at": time.time(), "seconds": round(seconds, 3)})
+        log.info("decode check of %s passed in %.2f s (remembered in %s)", model.name, seconds, self.memo.path)
 
 
 def failure(model: Path, name: str, loaded: bool) -> str:
