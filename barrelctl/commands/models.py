@@ -87,6 +87,9 @@ def model_json(m) -> dict:
         "aliases": list(m.aliases),
         "stop": list(m.stop),
         "tool_format": m.tool_format,
+        "exact_reuse": {"grain": m.exact_reuse.grain, "generated": m.exact_reuse.generated,
+                        "source": m.exact_reuse.source, "probe_ms": m.exact_reuse.probe_ms,
+                        "rule": m.exact_reuse.rule},
     }
 
 

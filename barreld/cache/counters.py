@@ -19,6 +19,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "longest_prefix_probes",
     "resume_waits",
     "reuse_refused",
+    "settled_tokens",
     "lookup_ns",
     "restore_ns",
     "save_ns",

@@ -213,6 +213,9 @@ class CtxParams:
       models (flash attention on, repacked quantised kernels).
     gpu_layers: layers actually offloaded (0 on a CPU-only build whatever was asked): GPU kernels compute
       other floats than the CPU's.
+    reuse_grain: the reuse grain measured at load when finer than the chunk (0: the chunk rule). A state
+      whose tokens were prefilled from a point off the chunk boundaries is exact only where that grain
+      holds, so daemons that measured another grain do not share it.
 
     Deliberately NOT included, because they change how work is scheduled or how much fits, not the
     bytes of a prompt's state: n_ctx, n_batch, n_ubatch, n_threads, and the sampling seed. (A state too
@@ -229,12 +232,15 @@ class CtxParams:
     swa_full: bool
     prefill_chunk: int = 0
     gpu_layers: int = 0
+    reuse_grain: int = 0
 
     def encode(self) -> bytes:
         """40 bytes, little-endian: u8 layout version (3), u32 kv_streams, u32 type_k, u32 type_v,
         u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale,
-        u32 prefill_chunk, u32 gpu_layers."""
+        u32 prefill_chunk, u32 gpu_layers; then a u32 reuse_grain only when it is set, so the states made
+        under the chunk rule keep their keys."""
         try:
+            grain = struct.pack("<I", self.reuse_grain) if self.reuse_grain else b""
             return _CTX_STRUCT.pack(
                 _CTX_LAYOUT_VERSION,
                 self.kv_streams,
@@ -247,7 +253,7 @@ class CtxParams:
                 float(self.rope_freq_scale),
                 self.prefill_chunk,
                 self.gpu_layers,
-            )
+            ) + grain
         except struct.error as e:
             raise ValueError(f"context parameter out of range: {e}") from e
 

@@ -3,9 +3,14 @@
 The rules rest on what llama.cpp was measured to do:
 - Logits depend on where a prefill's batches split (flash attention on, repacked quantised kernels), and a
   token decoded alone in its batch gets other KV than the same token inside a prefill. So only tokens
-  computed by prefill are ever reused (a sequence's frontier), every prefill splits at absolute multiples
-  of the chunk size C, and every reuse point is such a multiple, except a whole prompt whose last logits are
-  stored (it samples without any prefill).
+  computed by prefill are ever reused (a sequence's frontier), and every prefill splits at absolute
+  multiples of the chunk size C. How fine a reuse point may be is measured per model at load
+  (`barreld.engine.exactness`): the grain G, a divisor of C, such that a prefill whose batches start on
+  multiples of G gives the KV and logits of the canonical split. Every reuse point is a multiple of G (G = C
+  when nothing finer is proven), except a whole prompt whose last logits are stored (it samples without any
+  prefill). A batch of one token takes another kernel path: a reuse point never leaves a token to be
+  prefilled alone where the cold run's batch holds more, and a token that was prefilled alone (the last of
+  a prompt one past a multiple of C) is never reused by a longer prompt.
 - full attention: the KV of a prefix does not depend on what follows it: restore anything, cut anywhere.
 - swa: a saved state holds only the last `window` cells of the sliding-window layers, so restored it is
   usable at its own length only. A live sequence can be cut to K while its SWA layers still hold positions
@@ -21,13 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from barreld.engine.plan import chunk_end
 from barreld.names import MemoryKind
-
-_SUMMARY = {
-    MemoryKind.FULL: "restores and cuts at any chunk boundary",
-    MemoryKind.RECURRENT: "a state at its own length only",
-    MemoryKind.HYBRID: "a state at its own length only",
-}
 
 
 def memory_kind(n_swa: int, recurrent: bool, hybrid: bool) -> MemoryKind:
@@ -41,16 +41,22 @@ def memory_kind(n_swa: int, recurrent: bool, hybrid: bool) -> MemoryKind:
 
 @dataclass(frozen=True)
 class Memory:
-    """One loaded model's memory: its kind, sliding window, swa_full setting and prefill chunk size."""
+    """One loaded model's memory: its kind, sliding window, swa_full setting, prefill chunk size and reuse
+    grain (0: the chunk size, the rule for a model with nothing finer proven)."""
 
     kind: MemoryKind
     window: int = 0
     swa_full: bool = False
     chunk: int = 64
+    grain: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"the chunk size must be at least 1, got {self.chunk}")
+        if self.grain == 0:
+            object.__setattr__(self, "grain", self.chunk)
+        if self.grain < 1 or self.chunk % self.grain:
+            raise ValueError(f"the reuse grain must divide the chunk size ({self.chunk}), got {self.grain}")
         if (self.kind is MemoryKind.SWA) != (self.window > 0):
             raise ValueError("a sliding window goes with the swa kind, and only with it")
 
@@ -67,32 +73,47 @@ class Memory:
     @property
     def summary(self) -> str:
         """The reuse this memory allows, in words, for `barrelctl models`."""
+        if self.grain == self.chunk:
+            points = "chunk boundary"
+        else:
+            points = "token" if self.grain == 1 else f"multiple of {self.grain} tokens"
+        if self.kind is MemoryKind.FULL:
+            return f"restores and cuts at any {points}"
         if self.kind is not MemoryKind.SWA:
-            return _SUMMARY[self.kind]
+            return "a state at its own length only"
         if self.swa_full:
-            return "live cuts at chunk boundaries; restores at their own length"
+            return f"live cuts at any {points}; restores at their own length"
         return f"live cuts until the SWA ring wraps; restores of at most {self.window} tokens"
 
-    def aligned(self, k: int, n: int, logits_at: int | None) -> int:
-        """The reuse point at or below k for a prompt of n tokens: the whole prompt when its logits after n
-        tokens are known, else the last multiple of the chunk size below n."""
-        if k == n and logits_at == n:
+    def extendable(self, frontier: int) -> int:
+        """How many of `frontier` prefilled tokens a longer prompt can reuse before the grain is applied: all
+        but a last token that was prefilled alone (the final chunk of a prompt one past a multiple of C)."""
+        return frontier - 1 if frontier > 0 and (frontier - 1) % self.chunk == 0 else frontier
+
+    def aligned(self, frontier: int, matched: int, n: int, logits_at: int | None) -> int:
+        """The reuse point for a prompt of n tokens whose first `matched` tokens are those of a state holding
+        `frontier` prefilled ones: the whole prompt when its logits after n tokens are known, else the last
+        multiple of the grain below n that leaves no token to be prefilled alone."""
+        if min(frontier, matched) == n and logits_at == n:
             return n
-        return min(k, n - 1) // self.chunk * self.chunk
+        k = min(self.extendable(frontier), matched, n - 1) // self.grain * self.grain
+        while k > 0 and k % self.chunk and chunk_end(k, n, self.chunk) - k < 2:
+            k -= self.grain
+        return max(k, 0)
 
     def restore_point(self, length: int, matched: int, n: int, logits_at: int | None) -> int:
         """Tokens a prompt of n tokens can take from a saved state of `length` prefilled tokens, when the
         prompt's first `matched` tokens are the state's; 0 when the rules refuse it."""
         if self.cuts_states:
-            return self.aligned(min(length, matched), n, logits_at)
+            return self.aligned(length, matched, n, logits_at)
         if length > min(matched, n) or not self.restorable(length):
             return 0
-        return length if self.aligned(length, n, logits_at) == length else 0
+        return length if self.aligned(length, length, n, logits_at) == length else 0
 
     def reusable(self, length: int, logits: bool) -> bool:
         """Whether a state of `length` prefilled tokens can serve some prompt: a longer one, or with its logits
         the same one again."""
-        longer = self.restore_point(length, length, length + 1, None) > 0
+        longer = self.restore_point(length, length, length + 2, None) > 0
         return longer or (logits and self.restore_point(length, length, length, length) > 0)
 
     def restorable(self, length: int) -> bool:
@@ -106,7 +127,7 @@ class Memory:
         prefilled, by cutting it (or, for a memory that cannot be cut, by taking it whole); `pos_min` is the
         lowest position llama.cpp reports for it, which a sliding window's cut must still hold."""
         if self.cuts_live:
-            k = self.aligned(min(frontier, matched), n, logits_at)
+            k = self.aligned(frontier, matched, n, logits_at)
             if k and self.kind is MemoryKind.SWA and not self.holds(k, pos_min, k - 1):
                 return 0
             return k
@@ -132,7 +153,8 @@ class Memory:
         from `kept` restored ones: the last reuse point a later prompt can take from it; 0 for none."""
         if self.cuts_states:
             return 0
-        point = n if kept == n else n // self.chunk * self.chunk
+        exact_end = kept == n or self.aligned(n, n, n + 2, None) == n
+        point = n if exact_end else n // self.chunk * self.chunk
         return point if self.restorable(point) else 0
 
     def indexed_at(self, boundary: int, frontier: int) -> bool:

@@ -122,9 +122,9 @@ class ModelCache:
         """(key, text) of this model's most recently used rows, at most `limit`."""
         return [] if self.store is None else self.store.texts(self.model, limit)
 
-    def count(self, name: str) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         if self.store is not None:
-            self.store.counters.count(name)
+            self.store.counters.count(name, n)
 
     # ---- save moments -----------------------------------------------------------------------
 

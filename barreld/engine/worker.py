@@ -8,6 +8,11 @@ can reuse it in place; it is saved (reason `evict`) and released only when its p
 
 A request's warm start is found, applied and checked by `barreld.engine.warmstart`; the worker only asks it
 for one plan and the tokens it kept, then schedules the rest of the prefill.
+
+A reply's tokens were decoded one at a time, which gives other KV than a prefill on most builds, so a next
+turn would prefill them again. When nothing waits, the worker settles them instead: it cuts an idle
+sequence back to its last exact reuse point and prefills the rest of its text in the canonical chunks, one
+chunk per tick, so a request that arrives waits at most one chunk.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ import time
 import numpy as np
 
 from barreld.engine import chat
-from barreld.engine.backend import Backend, BackendError
+from barreld.engine.backend import Backend, BackendError, BatchItem
 from barreld.engine.chat import Message
 from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import ModelCache
-from barreld.engine.plan import Slot, byte_offsets, plan_batch
+from barreld.engine.plan import Slot, byte_offsets, chunk_end, plan_batch
 from barreld.engine.request import (
     Alternative,
     CompletionParams,
@@ -59,7 +64,7 @@ def _ms(seconds: float) -> float:
 
 class ModelWorker:
     def __init__(self, name: str, backend: Backend, cache: ModelCache, *, max_queue: int = DEFAULT_MAX_QUEUE,
-                 turn_ends: tuple[bytes, ...] = ()):
+                 turn_ends: tuple[bytes, ...] = (), generated_exact: bool = False):
         self.name = name
         self.backend = backend
         self.cache = cache
@@ -69,6 +74,7 @@ class ModelWorker:
         # its template's end-of-turn token, but writes the next turn's marker. A reply that reaches one ends
         # as if the model had ended its turn (not as a stop sequence the client asked for).
         self.turn_ends = turn_ends
+        self.generated_exact = generated_exact  # measured at load: a sampled token's KV is a prefill's
         self.seqs = [Sequence(i) for i in range(backend.n_seq_max)]
         # A completion has at least one token: end-of-generation is masked at the first step, or an
         # instruct model given a bare question would often answer with nothing at all.
@@ -79,6 +85,7 @@ class ModelWorker:
         self._stopping = False
         self._next_id = 0
         self._shutdown_saved = 0
+        self.settling = False  # an idle sequence's reply may still be settled (read by tests)
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
         self._thread.start()
 
@@ -129,7 +136,7 @@ class ModelWorker:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._active):
+                    while not (self._stopping or self._waiting or self._active or self._unsettled()):
                         self._cond.wait()
                     if self._stopping:
                         for req in self._waiting:
@@ -143,6 +150,8 @@ class ModelWorker:
                     # A chunk that did not fit gets a prefill-only tick; uncapped, a prefill runs to its end.
                     while (waited or self.cache.uncapped) and self._prefilling():
                         waited = self._tick(prefill_only=True)
+                elif not self._waiting and not self._stopping:
+                    self._settle_chunk()
             self._shutdown_saved = self.cache.save_all(self.seqs, SaveReason.SHUTDOWN)
         except Exception:
             log.exception("worker for %s crashed", self.name)
@@ -279,7 +288,8 @@ class ModelWorker:
         self._sample_stored()
         active = list(self._active)
         slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending) for r in active]
-        batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only)
+        memory = self.cache.memory
+        batch = plan_batch(slots, memory.chunk, self.backend.n_batch, prefill_only, memory.grain)
         if not batch.items:
             return batch.waiting
         try:
@@ -315,7 +325,7 @@ class ModelWorker:
     def _sampled(self, req: Request, logits: np.ndarray) -> None:
         """The pending token is in KV now; a continued checkpoint if due, then the next token."""
         seq = self.seqs[req.seq]
-        seq.append(req.pending, self.backend.piece(req.pending), prefilled=False)
+        seq.append(req.pending, self.backend.piece(req.pending), prefilled=self.generated_exact)
         req.pending = None
         if self.cache.continued_due(req.generated):
             self.cache.save_async(seq, SaveReason.CONTINUED)
@@ -418,6 +428,45 @@ class ModelWorker:
         )
         self._release(req)
 
+    # ---- settling replies while idle --------------------------------------------------------
+
+    def _settle_point(self, seq: Sequence) -> int:
+        """Where settling an idle sequence starts: the reuse point a prompt that extends its whole text
+        would take from it; 0 (nothing to settle) when that is its end or the memory cannot be cut."""
+        n = len(seq.tokens)
+        if not seq.idle or seq.frontier >= n:
+            return 0
+        pos_min = self.backend.seq_pos_range(seq.id)[0]
+        k = self.cache.memory.live_point(n, seq.frontier, n, n + 2, None, pos_min)
+        return k if 0 < k < n and n - k <= self.cache.policy.settle_tokens else 0
+
+    def _unsettled(self) -> Sequence | None:
+        seq = next((s for s in self.seqs if self._settle_point(s)), None)
+        self.settling = seq is not None
+        return seq
+
+    def _settle_chunk(self) -> None:
+        """Prefills the next canonical chunk of an idle sequence's unsettled text."""
+        seq = self._unsettled()
+        if seq is None:
+            return
+        k = self._settle_point(seq)
+        if k < seq.frontier or self.backend.seq_pos_range(seq.id)[1] >= seq.frontier:
+            self.cache.save_before_cut(seq, k)
+            self.backend.seq_rm(seq.id, k, -1)
+            seq.rewind(k)
+        start = seq.frontier
+        end = chunk_end(start, len(seq.tokens), self.cache.memory.chunk)
+        try:
+            self.backend.decode([BatchItem(seq.tokens[p], p, seq.id, p == end - 1) for p in range(start, end)])
+        except BackendError as exc:
+            log.error("settling sequence %d failed: %s", seq.id, exc)
+            self.backend.seq_rm(seq.id, 0, -1)
+            seq.clear()
+            return
+        seq.prefilled(end, self.backend.logits(end - start - 1))
+        self.cache.count("settled_tokens", end - start)
+
     def _fail(self, req: Request, exc: Exception) -> None:
         seq = self.seqs[req.seq]
         self.backend.seq_rm(seq.id, 0, -1)
@@ -428,6 +477,7 @@ class ModelWorker:
     def _release(self, req: Request) -> None:
         seq = self.seqs[req.seq]
         seq.request = None
+        self.settling = True  # until the loop finds nothing to settle
         seq.last_used = time.monotonic()
         with self._cond:
             if req in self._active:

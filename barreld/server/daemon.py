@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from barreld.config import Config
 from barreld.deaths import Death, RunRecord, cause_of_death, remove_record
 from barreld.engine.decodecheck import DecodeCheck
+from barreld.engine.exactness import ReuseProbe
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import BarrelError
 from barreld.frontend.metrics import Metrics
@@ -66,7 +67,8 @@ class Daemon:
         self.signal.install()
         self.store = self._open_store()
         self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue,
-                                      blocks_required=self.config.block_tokens is not None, load_check=DecodeCheck())
+                                      blocks_required=self.config.block_tokens is not None, load_check=DecodeCheck(),
+                                      reuse_probe=ReuseProbe())
         self.scheduler = self._start_scheduler()
         metrics = Metrics(self.store, self.registry.models)
         self.servicer = Servicer(

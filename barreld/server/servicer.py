@@ -150,6 +150,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         aliases=list(m.options.aliases),
         stop=list(m.options.stop),
         tool_format=format_of(m.worker.backend.chat_template).name,
+        exact_reuse=pb.ExactReuse(**m.exact_reuse.as_dict(m.memory.chunk)),
     )
 
 

@@ -78,6 +78,7 @@ CHANGES = {
     "swa_full": True,
     "prefill_chunk": 128,
     "gpu_layers": 31,
+    "reuse_grain": 4,
 }
 
 

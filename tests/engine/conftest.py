@@ -34,6 +34,7 @@ POLICY = Policy(
     session_resume_wait_ms=5000,
     evict_save_timeout_ms=5000,
     prefill_chunk_size=8,
+    settle_tokens=0,  # settling races the next request: the tests that are about it turn it on
 )
 CHUNK = 8
 OPTIONS = {"n_ctx": 256, "n_batch": 64}
@@ -137,6 +138,11 @@ class Engine:
             return collect(other.get(name).worker.submit(completion(prompt, params)))
         finally:
             other.close()
+
+    def wait_settled(self, name: str = "m") -> None:
+        """Until the model's idle sequences hold their replies as prefilled tokens (settled while idle)."""
+        worker = self.registry.get(name).worker
+        wait_until(lambda: not worker.settling)
 
     def restarted(self, settle: bool = True) -> Engine:
         """Another registry on the same store and model file, by default once every save so far is

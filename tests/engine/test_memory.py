@@ -31,11 +31,38 @@ def test_the_kind_comes_from_llama_cpps_flags() -> None:
 
 
 def test_a_reuse_point_is_a_chunk_boundary_or_the_whole_prompt_with_its_logits() -> None:
-    assert FULL.aligned(700, 800, None) == 640
-    assert FULL.aligned(800, 800, 800) == 800  # samples from the stored logits, no prefill
-    assert FULL.aligned(800, 800, None) == 768  # the last chunk again: its last row gives the logits
-    assert FULL.aligned(800, 800, 640) == 768  # logits of another position are no use
-    assert FULL.aligned(64, 64, None) == 0
+    assert FULL.aligned(700, 800, 800, None) == 640
+    assert FULL.aligned(900, 700, 800, None) == 640  # as far as the prompt matches
+    assert FULL.aligned(800, 800, 800, 800) == 800  # samples from the stored logits, no prefill
+    assert FULL.aligned(800, 800, 800, None) == 768  # the last chunk again: its last row gives the logits
+    assert FULL.aligned(800, 800, 800, 640) == 768  # logits of another position are no use
+    assert FULL.aligned(64, 64, 64, None) == 0
+
+
+FINE = Memory(MemoryKind.FULL, chunk=64, grain=1)
+BY4 = Memory(MemoryKind.FULL, chunk=64, grain=4)
+
+
+def test_a_finer_grain_reuses_more_and_never_leaves_a_token_to_be_prefilled_alone() -> None:
+    assert FINE.aligned(700, 800, 800, None) == 700 and BY4.aligned(703, 800, 800, None) == 700
+    assert FINE.aligned(800, 800, 800, None) == 798  # 799 would prefill token 799 alone; cold runs 768..799
+    assert FINE.aligned(800, 800, 801, None) == 799  # 799..800 is a batch of two
+    assert FINE.aligned(830, 900, 900, None) == 830 and FINE.aligned(831, 900, 900, None) == 830  # 831: alone
+    assert FINE.aligned(832, 900, 900, None) == 832  # a chunk boundary: the cold run splits there too
+    assert FINE.aligned(769, 900, 900, None) == 768  # token 768 was its prompt's last, prefilled alone
+    assert BY4.aligned(769, 900, 900, None) == 768
+    assert FINE.aligned(1, 900, 900, None) == 0 and FINE.aligned(2, 900, 900, None) == 2
+    with pytest.raises(ValueError, match="divide"):
+        Memory(MemoryKind.FULL, chunk=64, grain=3)
+
+
+def test_the_grain_is_the_chunk_unless_a_finer_one_is_given() -> None:
+    assert FULL.grain == 64 and FULL.summary == "restores and cuts at any chunk boundary"
+    assert FINE.summary == "restores and cuts at any token" and "multiple of 4 tokens" in BY4.summary
+    fine_recurrent = Memory(MemoryKind.RECURRENT, chunk=64, grain=1)
+    assert fine_recurrent.snapshot_point(700, 0) == 700 and RECURRENT.snapshot_point(700, 0) == 640
+    assert fine_recurrent.snapshot_point(639, 0) == 576  # 639..640 would be a batch of one: the chunk before
+    assert fine_recurrent.restore_point(700, 700, 800, None) == 700 and fine_recurrent.reusable(650, False)
 
 
 @pytest.mark.parametrize(

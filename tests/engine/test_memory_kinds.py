@@ -49,12 +49,21 @@ def finished(engine: Engine, n: int, seed: int) -> tuple[bytes, object]:
     raise AssertionError("every reply ended with end-of-generation")
 
 
-def test_chat_turn_two_reuses_turn_ones_prompt(engine: Engine, kind: str) -> None:
-    """Live: a cut for full and swa, the prompt's snapshot for recurrent and hybrid; never the reply."""
+def test_chat_turn_two_reuses_turn_ones_prompt_and_its_settled_reply(engine: Engine, kind: str) -> None:
+    """Live: a cut for full and swa, which settle the reply while idle so turn two reuses it too; the
+    prompt's snapshot for recurrent and hybrid, which cannot be cut back to settle."""
+    engine.registry.unload("m")
+    engine.load(swa_full=KINDS[kind][1], policy={"settle_tokens": "infinity"})
     a, first = finished(engine, 40, 1)
+    engine.wait_settled()
     prompt = a + first.text + b"#next"
     reply = engine.run(prompt)
-    assert (reply.route, reply.started.cache.restored_tokens) == ("live", 40)
+    restored = reply.started.cache.restored_tokens
+    if kind in ("recurrent", "hybrid"):
+        assert (reply.route, restored) == ("live", 40) and engine.counter("settled_tokens") == 0
+    else:
+        assert reply.route == "live" and restored > 40 and restored % CHUNK == 0, restored
+        assert engine.counter("settled_tokens") >= restored - 40
     assert reply.text == engine.cold(prompt).text
 
 

@@ -13,14 +13,24 @@ def slot(seq: int, pos: int, target: int, pending: int | None = None) -> Slot:
     return Slot(seq, pos, list(range(100 + seq * 1000, 100 + seq * 1000 + target)), pending)
 
 
-def test_sampling_steps_come_first_then_whole_chunks_within_n_batch() -> None:
+def test_whole_chunks_come_first_then_the_sampling_steps_within_n_batch() -> None:
     slots = [slot(0, 16, 40), slot(1, 5, 5, pending=7), slot(2, 0, 30), slot(3, 0, 30)]
     batch = plan_batch(slots, chunk=16, n_batch=40)
-    assert batch.items[0] == BatchItem(7, 5, 1, True)
-    assert [it.seq for it in batch.items] == [1] + [0] * 16 + [2] * 16
-    assert batch.samples == [(1, 0)] and batch.prefills == [(0, 16), (2, 32)]
+    assert batch.items[-1] == BatchItem(7, 5, 1, True)
+    assert [it.seq for it in batch.items] == [0] * 16 + [2] * 16 + [1]
+    assert batch.samples == [(1, 32)] and batch.prefills == [(0, 15), (2, 31)]
     assert [it.pos for it in batch.items if it.seq == 0] == list(range(16, 32))
     assert batch.waiting  # the fourth slot's chunk did not fit: it waits whole, never cut short
+
+
+def test_a_chunk_starts_at_a_row_that_is_a_multiple_of_the_grain() -> None:
+    """Kernels that take rows in groups count them from the batch's first row: a prompt's last chunk of 5
+    tokens would put the next chunk at row 5, so that one waits for the next batch."""
+    slots = [slot(0, 32, 37), slot(1, 0, 40), slot(2, 3, 3, pending=9)]
+    batch = plan_batch(slots, chunk=16, n_batch=64, grain=4)
+    assert [it.seq for it in batch.items] == [0] * 5 + [2] and batch.waiting
+    batch = plan_batch(slots[1:], chunk=16, n_batch=64, grain=4)
+    assert [it.seq for it in batch.items] == [1] * 16 + [2]
 
 
 def test_chunks_end_at_absolute_multiples_of_the_chunk_size() -> None:
@@ -52,16 +62,19 @@ def test_common_prefix_of_token_lists() -> None:
     st.integers(1, 40),
     st.integers(9, 64),
     st.booleans(),
+    st.sampled_from([1, 2, 4]),
 )
-def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill_only: bool) -> None:
+def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill_only: bool, grain: int) -> None:
     chunk = min(chunk, n_batch)
     slots = []
     for seq, (pos, extra, decoding) in enumerate(raw):
         pending = 1 if decoding else None
         aligned = pos // chunk * chunk  # a prefill resumes at a chunk boundary
         slots.append(slot(seq, pos + extra if decoding else aligned, pos + extra, pending))
-    batch = plan_batch(slots, chunk, n_batch, prefill_only)
+    batch = plan_batch(slots, chunk, n_batch, prefill_only, grain)
     assert len(batch.items) <= max(n_batch, len(slots))
+    rows = [i for i, it in enumerate(batch.items) if slots[it.seq].pending is not None]
+    assert rows == list(range(len(batch.items) - len(rows), len(batch.items)))  # sampling steps last
     for s in slots:
         mine = [it for it in batch.items if it.seq == s.seq]
         assert [it.pos for it in mine] == list(range(s.pos, s.pos + len(mine)))
@@ -70,7 +83,8 @@ def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill
             continue
         assert [it.token for it in mine] == list(s.target[s.pos : s.pos + len(mine)])
         assert [it.logits for it in mine] == [False] * (len(mine) - 1) + [True] * bool(mine)
-        if mine:  # exactly the canonical chunk
+        if mine:  # exactly the canonical chunk, at a row that is a multiple of the grain
             assert s.pos + len(mine) == chunk_end(s.pos, len(s.target), chunk)
+            assert batch.items.index(mine[0]) % grain == 0
         elif s.pos < len(s.target):
             assert batch.waiting

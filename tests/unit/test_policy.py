@@ -18,6 +18,8 @@ GUIDE_DEFAULTS = {
     "session_resume_wait_ms": 500,
     "prefill_chunk_size": "auto",
     "evict_save_timeout_ms": 30000,
+    "settle_tokens": "infinity",  # settle every reply while idle; reuse at the finest grain proven exact
+    "reuse_grain": "auto",
 }
 
 
