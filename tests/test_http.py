@@ -84,7 +84,8 @@ def test_a_second_turn_restores_the_first_and_replies_as_a_cold_prefill_does(war
              {"role": "user", "content": "And the second word?"}]
     r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=12, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
-    assert cached == r1.usage.prompt_tokens // CHUNK * CHUNK, (cached, r1.usage.prompt_tokens)  # its prompt only
+    # its prompt at least (the chunk rule's part of it), its reply too once settled, never more than both
+    assert r1.usage.prompt_tokens // CHUNK * CHUNK <= cached <= r1.usage.total_tokens, (cached, r1.usage)
     barrel = r2.model_extra["barrel"]
     assert barrel["cache"]["restored_tokens"] == cached and barrel["cache"]["path"] != "miss"
     assert barrel["cache"]["prefilled_tokens"] == r2.usage.prompt_tokens - cached

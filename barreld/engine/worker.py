@@ -431,13 +431,20 @@ class ModelWorker:
     # ---- settling replies while idle --------------------------------------------------------
 
     def _settle_point(self, seq: Sequence) -> int:
-        """Where settling an idle sequence starts: the reuse point a prompt that extends its whole text
-        would take from it; 0 (nothing to settle) when that is its end or the memory cannot be cut."""
-        n = len(seq.tokens)
+        """Where settling an idle sequence starts: its last exact reuse point before the end of its text, from
+        which the rest is prefilled without a token alone in its batch; 0 when there is nothing to settle."""
+        n, memory = len(seq.tokens), self.cache.memory
         if not seq.idle or seq.frontier >= n:
             return 0
-        pos_min = self.backend.seq_pos_range(seq.id)[0]
-        k = self.cache.memory.live_point(n, seq.frontier, n, n + 2, None, pos_min)
+        pos_min, pos_max = self.backend.seq_pos_range(seq.id)
+        if memory.cuts_live:
+            k = memory.live_point(n, seq.frontier, n, n, None, pos_min)
+        elif pos_max == seq.frontier - 1 and memory.restore_point(seq.frontier, n, n, None) == seq.frontier:
+            k = seq.frontier  # a state that cannot be cut, held at its frontier: a settle under way
+        elif seq.snapshot is not None:
+            k = memory.restore_point(seq.snapshot.length, n, n, None)
+        else:
+            k = 0
         return k if 0 < k < n and n - k <= self.cache.policy.settle_tokens else 0
 
     def _unsettled(self) -> Sequence | None:
@@ -446,15 +453,24 @@ class ModelWorker:
         return seq
 
     def _settle_chunk(self) -> None:
-        """Prefills the next canonical chunk of an idle sequence's unsettled text."""
+        """Prefills the next canonical chunk of an idle sequence's unsettled text, first putting it back to
+        where settling starts (a cut, or for a memory that cannot be cut its snapshot)."""
         seq = self._unsettled()
         if seq is None:
             return
         k = self._settle_point(seq)
-        if k < seq.frontier or self.backend.seq_pos_range(seq.id)[1] >= seq.frontier:
+        if k < seq.frontier or self.backend.seq_pos_range(seq.id)[1] != seq.frontier - 1:
             self.cache.save_before_cut(seq, k)
-            self.backend.seq_rm(seq.id, k, -1)
+            if self.cache.memory.cuts_live:
+                self.backend.seq_rm(seq.id, k, -1)
+            else:
+                self.backend.state_set(seq.id, memoryview(seq.snapshot.state))
             seq.rewind(k)
+            if not self.cache.memory.holds(k, *self.backend.seq_pos_range(seq.id)):
+                log.warning("settling sequence %d: llama.cpp does not hold its first %d tokens; dropped", seq.id, k)
+                self.backend.seq_rm(seq.id, 0, -1)
+                seq.clear()
+                return
         start = seq.frontier
         end = chunk_end(start, len(seq.tokens), self.cache.memory.chunk)
         try:

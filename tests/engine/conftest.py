@@ -19,7 +19,7 @@ from barreld.cache import CacheStore, SaveOutcome, TierConfig
 from barreld.cache.index import Reservation
 from barreld.engine.backend import BatchItem, ContextSettings
 from barreld.engine.policy import Policy
-from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
+from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry, ReuseCheck
 from barreld.engine.request import CompletionParams, Done, Failed, Request, Started, Token
 from barreld.engine.sampling import SamplingParams
 from tests.fakes.backend import EOG, FakeBackend, write_gguf
@@ -105,11 +105,13 @@ class Engine:
     """A registry over FakeBackend and one store; `cold` answers from a fresh registry with no store, and
     `restarted` is another registry on the same store and model file."""
 
-    def __init__(self, root: Path, store: CacheStore, max_queue: int = 4, model_file: Path | None = None) -> None:
+    def __init__(self, root: Path, store: CacheStore, max_queue: int = 4, model_file: Path | None = None,
+                 reuse_probe: ReuseCheck | None = None) -> None:
         self.root = root
         self.store = store
         self.model_file = model_file or write_gguf(root / "fake.gguf")
-        self.registry = ModelRegistry(store, POLICY, max_queue=max_queue, backend_factory=FakeBackend)
+        self.registry = ModelRegistry(store, POLICY, max_queue=max_queue, backend_factory=FakeBackend,
+                                      reuse_probe=reuse_probe)
         self.options: dict[str, dict] = {}
         self.restarts: list[Engine] = []
 

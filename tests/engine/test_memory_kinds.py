@@ -50,8 +50,8 @@ def finished(engine: Engine, n: int, seed: int) -> tuple[bytes, object]:
 
 
 def test_chat_turn_two_reuses_turn_ones_prompt_and_its_settled_reply(engine: Engine, kind: str) -> None:
-    """Live: a cut for full and swa, which settle the reply while idle so turn two reuses it too; the
-    prompt's snapshot for recurrent and hybrid, which cannot be cut back to settle."""
+    """Live, the reply included: settled while idle from a cut (full and swa) or from the prompt's snapshot
+    (recurrent and hybrid, which cannot be cut)."""
     engine.registry.unload("m")
     engine.load(swa_full=KINDS[kind][1], policy={"settle_tokens": "infinity"})
     a, first = finished(engine, 40, 1)
@@ -59,11 +59,10 @@ def test_chat_turn_two_reuses_turn_ones_prompt_and_its_settled_reply(engine: Eng
     prompt = a + first.text + b"#next"
     reply = engine.run(prompt)
     restored = reply.started.cache.restored_tokens
-    if kind in ("recurrent", "hybrid"):
-        assert (reply.route, restored) == ("live", 40) and engine.counter("settled_tokens") == 0
-    else:
-        assert reply.route == "live" and restored > 40 and restored % CHUNK == 0, restored
-        assert engine.counter("settled_tokens") >= restored - 40
+    assert reply.route == "live" and restored % CHUNK == 0 and engine.counter("settled_tokens") > 0, restored
+    # A state that cannot be cut serves only a prompt holding all of its text: the reply's text tokenised
+    # again differs from its sampled tokens here, so recurrent and hybrid fall back to the prompt's snapshot.
+    assert restored >= 40 if kind in ("recurrent", "hybrid") else restored > 40
     assert reply.text == engine.cold(prompt).text
 
 

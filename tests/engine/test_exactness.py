@@ -1,0 +1,83 @@
+"""The reuse probe over FakeBackend, whose floats depend on the batch split as configured, and the engine
+serving at the grain it finds: every reply a cold prefill's, the reply settled and reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from barreld.engine.backend import ContextSettings
+from barreld.engine.exactness import ReuseProbe, measure
+from barreld.engine.registry import model_memory
+from barreld.names import MemoryKind
+from tests.fakes.backend import FakeBackend, write_gguf
+
+from .conftest import CHUNK, Engine, WatchedStore, plain
+
+SETTINGS = ContextSettings(n_ctx=256, n_batch=64)
+
+
+def opened(path: Path, settings: ContextSettings = SETTINGS) -> FakeBackend:
+    return FakeBackend(path, settings)
+
+
+@pytest.mark.parametrize("memory", [MemoryKind.FULL, MemoryKind.RECURRENT, MemoryKind.HYBRID])
+def test_a_model_whose_floats_ignore_the_split_is_reusable_at_any_token_but_not_its_reply(
+    tmp_path: Path, memory: MemoryKind
+) -> None:
+    be = opened(write_gguf(tmp_path / "m.gguf", memory=memory))
+    verdict = measure(be, model_memory(be, 16))
+    assert (verdict.grain, verdict.generated, verdict.source) == (1, False, "probe")  # a token alone differs
+    assert be.seq_pos_range(0) == (-1, -1)  # the probe leaves its sequence empty
+
+
+def test_a_split_sensitive_model_keeps_the_chunk_rule(tmp_path: Path) -> None:
+    be = opened(write_gguf(tmp_path / "m.gguf", split=True))
+    assert measure(be, model_memory(be, 16)).grain == 16
+    be = opened(write_gguf(tmp_path / "fa.gguf"), ContextSettings(n_ctx=256, n_batch=64, flash_attn=True))
+    assert measure(be, model_memory(be, 16)).grain == 16
+
+
+def test_no_room_for_a_probe_fails_safe_to_the_chunk_rule(tmp_path: Path) -> None:
+    be = opened(write_gguf(tmp_path / "m.gguf"), ContextSettings(n_ctx=32, n_batch=32))
+    assert measure(be, model_memory(be, 16)).grain == 16
+
+
+def test_a_verdict_is_remembered_per_file_and_settings(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf")
+    probe = ReuseProbe(tmp_path / "memo.json")
+    be = opened(path)
+    first = probe(be, model_memory(be, 16), path, SETTINGS)
+    be = opened(path)
+    again = probe(be, model_memory(be, 16), path, SETTINGS)
+    assert (first.source, again.source, again.grain) == ("probe", "memo", first.grain)
+    assert not [c for c in be.calls if c.name == "decode"]
+    be = opened(path)
+    other = probe(be, model_memory(be, 32), path, SETTINGS)  # another chunk size: measured again
+    assert other.source == "probe"
+
+
+@pytest.mark.parametrize("forced", [None, CHUNK])
+def test_a_chat_at_the_measured_grain_replies_as_cold_and_reuses_the_settled_reply(
+    tmp_path: Path, store: WatchedStore, forced: int | None
+) -> None:
+    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    policy = {"settle_tokens": "infinity"} | ({} if forced is None else {"reuse_grain": str(forced)})
+    loaded = e.load(policy=policy)
+    assert loaded.memory.grain == (forced or 1) and loaded.exact_reuse.source == ("forced" if forced else "probe")
+    prompt, restores = plain(37, 1), []
+    for turn in range(4):
+        reply = e.run(prompt)
+        assert reply.text == e.cold(prompt).text, turn
+        restored = reply.started.cache.restored_tokens
+        if turn:
+            assert reply.route == "live" and restored > previous  # the previous prompt and its reply, settled
+            restores.append(restored)
+        e.wait_settled()
+        previous = reply.started.prompt_tokens
+        prompt = prompt + reply.text + plain(11, turn + 2)[1:]
+    assert e.counter("settled_tokens") > 0
+    # the coarse rule keeps whole chunks; the measured grain reuses past them (off the chunks at least once)
+    assert all(r % CHUNK == 0 for r in restores) if forced else any(r % CHUNK for r in restores)
+    e.close()
