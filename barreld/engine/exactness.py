@@ -11,8 +11,10 @@ canonical chunk boundaries. The finest G that passes is the verdict; none passin
 Then, at that grain, three tokens decoded one at a time stand in for a reply: equal again, generated tokens
 are reusable too.
 
-The verdict is remembered per library, CPU, model file and context settings (`reuse-grains.json` beside the
-decode checks), so a model costs its probe once: about two to five prefills of 2.5 chunks.
+The verdict is remembered per library, CPU, model file and the context settings that change the floats
+(K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
+nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: two to nine
+prefills of about 2.5 chunks (1 to 10 s on these 2 cores).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class ReuseProbe:
     def __call__(self, backend: Backend, memory: Memory, path: Path, settings: ContextSettings) -> ExactReuse:
         key = verdict_key(path, kind="reuse-grain", chunk=memory.chunk, type_k=settings.type_k,
                           type_v=settings.type_v, flash_attn=settings.flash_attn, swa_full=memory.swa_full,
-                          gpu_layers=backend.gpu_layers, n_threads=settings.n_threads, n_seq_max=settings.n_seq_max)
+                          gpu_layers=backend.gpu_layers, n_seq_max=settings.n_seq_max)
         kept = self.memo.get(key)
         if isinstance(kept, dict) and isinstance(kept.get("grain"), int) and memory.chunk % kept["grain"] == 0:
             return ExactReuse(kept["grain"], bool(kept.get("generated")), "memo", float(kept.get("probe_ms", 0)))

@@ -66,7 +66,7 @@ def test_a_chat_at_the_measured_grain_replies_as_cold_and_reuses_the_settled_rep
     policy = {"settle_tokens": "infinity"} | ({} if forced is None else {"reuse_grain": str(forced)})
     loaded = e.load(policy=policy)
     assert loaded.memory.grain == (forced or 1) and loaded.exact_reuse.source == ("forced" if forced else "probe")
-    prompt, restores = plain(37, 1), []
+    prompt, restores, previous = plain(37, 1), [], 0
     for turn in range(4):
         reply = e.run(prompt)
         assert reply.text == e.cold(prompt).text, turn
