@@ -2,8 +2,9 @@
 
 A warm daemon saves and restores; a reference daemon runs with every save disabled, and is flushed before
 each request, so each of its replies comes from a cold prefill. Replies are compared byte for byte at
-temperature 0, on one model of each memory kind: SmolLM2 (full attention), Gemma 3 270M (sliding window
-512, with swa_full on and off), a tiny Mamba (recurrent) and a tiny LFM2 (hybrid).
+temperature 0, on one model of each memory kind: SmolLM2 (full attention; and with flash attention and a q8_0
+cache), Gemma 3 270M (sliding window 512, with swa_full on and off), a tiny Mamba (recurrent) and a tiny LFM2
+(hybrid). Each is served at the reuse grain its load's probe measured.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class Model:
 
 MODELS = {
     "smollm2": Model(lambda: bundled_model_path("smollm2"), "", 640, "full"),
+    # flash attention and a q8_0 cache: other kernels, another grain (the floats follow the split more)
+    "smollm2_fa": Model(lambda: bundled_model_path("smollm2"), 'flash_attn = true\ntype_k = "q8_0"\n'
+                        'type_v = "q8_0"\n', 600, "full"),
     "gemma": Model(gemma_path, "swa_full = true\n", 620, "swa"),
     "gemma_ring": Model(gemma_path, "swa_full = false\n", 660, "swa"),  # past 640: more than the window
     "mamba": Model(tiny_recurrent_path, "", 2600, "recurrent"),
@@ -198,7 +202,8 @@ def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> No
     cache type the model's heads cannot hold is refused with the reason; dump rows show their kind."""
     models = {m["name"]: m for m in warm.ctl("--json", "models").json()["models"]}
     got = {name: (m["memory"], m["swa_window"], m["swa_full"], m["prefill_chunk"]) for name, m in models.items()}
-    assert got == {"smollm2": ("full", 0, False, CHUNK), "gemma": ("swa", 512, True, CHUNK),
+    assert got == {"smollm2": ("full", 0, False, CHUNK), "smollm2_fa": ("full", 0, False, CHUNK),
+                   "gemma": ("swa", 512, True, CHUNK),
                    "gemma_ring": ("swa", 512, False, CHUNK), "mamba": ("recurrent", 0, False, CHUNK),
                    "lfm2": ("hybrid", 0, False, CHUNK)}
     assert models["mamba"]["reuse"] == "a state at its own length only" and models["smollm2"]["n_threads"] == 1

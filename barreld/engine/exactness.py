@@ -8,8 +8,9 @@ what a warm start does, on the real context with the model's own K/V types and f
 previous prompt ends inside a chunk, the next one keeps its first k tokens (k an odd multiple of the grain G
 tried) and prefills the rest from k. Its state bytes and last logits must equal a cold prefill's, split at the
 canonical chunk boundaries. The finest G that passes is the verdict; none passing leaves the chunk rule.
-Then, at that grain, three tokens decoded one at a time stand in for a reply: equal again, generated tokens
-are reusable too.
+Then, at that grain, sixteen tokens decoded one at a time stand in for a reply: equal again, generated tokens
+are reusable too (with a quantised K/V cache, small float differences can round to the same bytes, so one
+token would prove little).
 
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
@@ -35,6 +36,8 @@ from barreld.names import MemoryKind
 log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # tried finest first; each must divide the chunk and leave room in it
+PROBE_VERSION = 2  # a verdict of another version of the probe is measured again
+GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
     b"A river runs under the old stone bridge, past the garden where the letters were buried one morning in "
@@ -77,7 +80,7 @@ class ReuseProbe:
         self.memo = JsonMemo(memo or memo_path())
 
     def __call__(self, backend: Backend, memory: Memory, path: Path, settings: ContextSettings) -> ExactReuse:
-        key = verdict_key(path, kind="reuse-grain", chunk=memory.chunk, type_k=settings.type_k,
+        key = verdict_key(path, kind="reuse-grain", probe=PROBE_VERSION, chunk=memory.chunk, type_k=settings.type_k,
                           type_v=settings.type_v, flash_attn=settings.flash_attn, swa_full=memory.swa_full,
                           gpu_layers=backend.gpu_layers, n_seq_max=settings.n_seq_max)
         kept = self.memo.get(key)
@@ -138,12 +141,13 @@ class _Probe:
         return self._finish(k)
 
     def _generated(self, k: int) -> tuple[bytes, bytes]:
-        """At the grain found: a prefill to k, three tokens decoded one per batch as a reply is, then the rest."""
+        """At the grain found: a prefill to k, tokens decoded one per batch as a reply's are, then the rest."""
         self._restart()
         self._decode(self.memory.chunk, k)
-        for pos in range(k, k + 3):
+        end = k + min(GENERATED, self.length - k - 2)
+        for pos in range(k, end):
             self._decode(pos, pos + 1)
-        return self._finish(k + 3)
+        return self._finish(end)
 
     def _finish(self, pos: int) -> tuple[bytes, bytes]:
         logits = self._prefill(pos, self.length)
