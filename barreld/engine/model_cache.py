@@ -118,6 +118,16 @@ class ModelCache:
         """prefill_chunk_size = infinity: a prefill runs to its end before the next sampling step."""
         return self.policy.prefill_chunk_size == INFINITY
 
+    def prefix_points(self, n_tokens: int) -> list[int]:
+        """Where a prompt of n_tokens looks for stored prefixes of itself, longest first, and where a row of
+        n_tokens is indexed: every block of a state that can be cut and is stored as blocks (a prompt that
+        shares any of it finds it, as an agent's next prompt finds its last one whatever their lengths), else
+        the policy's alignment."""
+        stride = self.policy.boundary_align_tokens
+        if self.memory.cuts_states and self.block_shape is not None and self.store is not None:
+            stride = min(stride, self.store.block_tokens or stride)
+        return self.policy.prefix_boundaries(n_tokens, stride)
+
     def stored_texts(self, limit: int) -> list[tuple[bytes, bytes]]:
         """(key, text) of this model's most recently used rows, at most `limit`."""
         return [] if self.store is None else self.store.texts(self.model, limit)
@@ -245,7 +255,7 @@ class ModelCache:
     def _prefixes(self, seq: Sequence, rendered: bytes, frontier: int) -> list[tuple[bytes, int]]:
         """The prefix keys a checkpoint is also found under: stride boundaries, and its prompt (an exact hit
         when the prompt is sent again), where its state can serve them."""
-        points = set(self.policy.prefix_boundaries(len(seq.tokens)))
+        points = set(self.prefix_points(len(seq.tokens)))
         if 0 < seq.prompt_len < len(seq.tokens):
             points.add(seq.prompt_len)
         points = {b for b in points if self.memory.indexed_at(b, frontier)}

@@ -101,13 +101,13 @@ class Policy:
             length = min(length, int(self.cold_max_tokens) // align * align)
         return length if self.allows_save(length) else None
 
-    def prefix_boundaries(self, n_tokens: int) -> list[int]:
-        """Multiples of the alignment strictly below `n_tokens`, longest first.
+    def prefix_boundaries(self, n_tokens: int, stride: int | None = None) -> list[int]:
+        """Multiples of the alignment (or of `stride`) strictly below `n_tokens`, longest first.
 
         These are the longest-prefix walk's probe points for a prompt of `n_tokens` (the whole prompt is
         the exact lookup), and the prefixes under which a checkpoint of `n_tokens` is indexed.
         """
-        align = self.boundary_align_tokens
+        align = stride or self.boundary_align_tokens
         if n_tokens <= 1:
             return []
         return list(range((n_tokens - 1) // align * align, 0, -align))

@@ -168,7 +168,7 @@ class WarmStarts:
         """Walks the prompt's stride boundaries, longest first, while a boundary could still beat the best
         found (a state that cannot be cut may serve less than the boundary it was found under)."""
         store, best = self.cache.store, None
-        for b in self.cache.policy.prefix_boundaries(n):
+        for b in self.cache.prefix_points(n):
             if b <= max(floor, best.tokens if best else 0):
                 break
             store.counters.count("longest_prefix_probes")
@@ -189,7 +189,7 @@ class WarmStarts:
             probes.append((Route.RESUME, parent_key))
         probes += [
             (Route.LONGEST_PREFIX, key(rendered[: offsets[b]]))
-            for b in self.cache.policy.prefix_boundaries(n)
+            for b in self.cache.prefix_points(n)
             if b > best.tokens
         ]
         hits = self.cache.store.lookup_remote([k for _, k in probes])

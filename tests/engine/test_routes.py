@@ -6,7 +6,9 @@ logits are a function of the whole token history in the KV cells, so any wrong r
 
 from __future__ import annotations
 
-from .conftest import CHUNK, Engine, Reply, collect, plain, prose, wait_until
+from pathlib import Path
+
+from .conftest import CHUNK, Engine, Reply, WatchedStore, collect, plain, prose, wait_until
 
 
 def test_every_route_replies_as_a_cold_prefill(engine: Engine) -> None:
@@ -160,3 +162,21 @@ def test_a_resume_that_waits_too_long_prefills(engine: Engine) -> None:
     engine.store.publishing.set()
     assert reply.route == "miss" and later.counter("resume_waits") == 1
     assert reply.text == engine.cold(prompt).text
+
+
+def test_rows_stored_as_blocks_are_found_at_every_block(tmp_path: Path) -> None:
+    """An agent's next prompt extends its last one, whose length is no multiple of the alignment (16): with
+    blocks (8 tokens) the walk probes every block, so the whole prompt is found, not its last multiple of 16."""
+    store = WatchedStore(tmp_path, block_tokens=CHUNK).open()
+    e = Engine(tmp_path, store)
+    e.load()
+    a = plain(40, 21)
+    first = e.run(a)
+    e.run(plain(30, 22))  # another agent takes the live sequence
+    store.settle()  # the finish row is published
+    b = a + first.text + plain(12, 23)[1:]
+    reply = e.run(b)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 40)
+    assert reply.text == e.cold(b).text
+    e.close()
+    store.close()
