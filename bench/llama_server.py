@@ -18,7 +18,9 @@ machine), as pip's build of llama-cpp-python does. It took about 15 minutes on t
 Method. Both servers get the same requests, Barrel first, one at a time, streamed over HTTP on loopback; TTFT
 is client-side wall time to the first chunk that carries text. Barrel: barreld's HTTP listener (default
 policy, disk tier, one sequence). llama-server: run plain (`-m MODEL -c 4096 -b 512 -np 1 -t N -tb N`, all
-else its defaults, `cache_prompt` on, as by default). Same model file (the bundled SmolLM2), n_ctx 4096,
+else its defaults, `cache_prompt` on, as by default); those defaults include its prompt cache in RAM
+(`--cache-ram`, 8 GiB), which gives a slot an earlier prompt back, and flash attention `auto`, which the CPU
+build turns on (Barrel's default is off). Same model file (the bundled SmolLM2), n_ctx 4096,
 n_batch 512, every core. The chat is section 2's (a 700-token system message, user messages of 50 to 119
 tokens, 48-token greedy replies), resent in full each turn as messages to `/v1/chat/completions`; each side
 renders them with the model's chat template. The agent trace is section 3's (agents sharing a 900-token
