@@ -22,26 +22,20 @@ its cache, which hands its longest-prefix entry even to an unrelated prompt and 
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from barrelctl.client import Completion
 from barreld.engine.chat import Message
-from bench.harness import MODEL, Daemon, Tokenizer, machine, median, model_path, progress
+from bench.harness import MODEL, Daemon, ServerProcess, Tokenizer, machine, median, model_path, progress
 from bench.report import Table, ms, put_section, times
 from bench.traces import chat_system, chat_user, reply_text
 
 SECTION = "conversation"
-READY_TIMEOUT = 180.0
 
 
 @dataclass
@@ -52,50 +46,17 @@ class Run:
     server_ms: list[float] = field(default_factory=list)
 
 
-class LlamaServer:
-    """`python -m llama_cpp.server` on a free loopback port, its working directory (where LlamaDiskCache
-    keeps `.cache/llama_cache`) kept across restarts."""
+class LlamaServer(ServerProcess):
+    """`python -m llama_cpp.server`, its working directory (where LlamaDiskCache keeps `.cache/llama_cache`)
+    kept across restarts."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = 0
-        self.proc: subprocess.Popen | None = None
+    name = "llama_cpp.server"
 
-    def start(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    def command(self, port: int) -> list[str]:
         threads = str(len(os.sched_getaffinity(0)))
-        args = ["--model", str(model_path()), "--n_ctx", "4096", "--n_batch", "512", "--n_threads", threads,
-                "--n_threads_batch", threads, "--cache", "True", "--cache_type", "disk", "--host", "127.0.0.1",
-                "--port", str(self.port), "--verbose", "False"]
-        with open(self.workdir / "server.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", *args], cwd=self.workdir,
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = (self.workdir / "server.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"llama_cpp.server did not start:\n{tail}")
-            time.sleep(0.2)
-
-    def _answers(self) -> bool:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-            conn.request("GET", "/v1/models")
-            return conn.getresponse().status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path()), "--n_ctx", "4096",
+                "--n_batch", "512", "--n_threads", threads, "--n_threads_batch", threads, "--cache", "True",
+                "--cache_type", "disk", "--host", "127.0.0.1", "--port", str(port), "--verbose", "False"]
 
     def chat(self, messages: list[Message], max_tokens: int) -> float:
         """Streams one chat completion; milliseconds to the first chunk that carries text."""
@@ -103,22 +64,10 @@ class LlamaServer:
                 "temperature": 0.0, "stream": True}
         t0 = time.perf_counter()
         first = None
-        for chunk in self._events("/v1/chat/completions", body):
+        for chunk in self.events("/v1/chat/completions", body):
             if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 first = time.perf_counter()
         return ((first or time.perf_counter()) - t0) * 1000
-
-    def _events(self, path: str, body: dict) -> Iterator[dict]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"llama_cpp.server answered {resp.status}: {resp.read()[:500]!r}")
-        for line in resp:
-            line = line.strip()
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                yield json.loads(line[len(b"data: "):])
-        conn.close()
 
 
 def _turn(label: str, daemon: Daemon, server: LlamaServer, run: Run, messages: list[Message],

@@ -8,16 +8,20 @@ config file and socket), as the tests do, so a bench never touches a user's cach
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from barrelctl.client import Client, Completion
@@ -189,6 +193,80 @@ class Daemon:
         """Sends a short unrelated prompt, so the single live sequence no longer holds the last prompt and
         the next request must come from a tier (or from a cold prefill)."""
         self.complete(f"~{n} unrelated", max_tokens=1)
+
+
+# ---- other servers ------------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """Another inference server as a child process on a free loopback port, its log (`NAME.log`) and working
+    directory in `workdir`, which stays across restarts. A subclass gives the command line and the path that
+    answers 200 once the model is loaded."""
+
+    name = "server"
+    ready_path = "/v1/models"
+    ready_timeout = 180.0
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command(self.port), cwd=self.workdir, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log)
+        deadline = time.monotonic() + self.ready_timeout
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{self.name} did not start:\n{tail}")
+            time.sleep(0.2)
+
+    def _answers(self) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+            conn.request("GET", self.ready_path)
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def events(self, path: str, body: dict) -> Iterator[dict]:
+        return sse_events(self.port, path, body, self.name)
+
+
+def sse_events(port: int, path: str, body: dict, who: str) -> Iterator[dict]:
+    """POSTs `body` as JSON to a streaming endpoint on loopback; the data of each server-sent event."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{who} answered {resp.status}: {resp.read()[:500]!r}")
+    for line in resp:
+        line = line.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[len(b"data: "):])
+    conn.close()
 
 
 # ---- the machine ----------------------------------------------------------------------------------
