@@ -32,6 +32,9 @@ same requests are sent again. llama-server keeps its prompt cache in memory only
 not automatic), so it starts the second pass empty. Tokens restored are each side's own report:
 `usage.prompt_tokens_details.cached_tokens` for both, llama-server's `timings.cache_n` beside it (the same
 figure); tokens prefilled are Barrel's `barrel.cache.prefilled_tokens` and llama-server's `timings.prompt_n`.
+After each reply the client pauses 1 s, as a reader would: Barrel settles its reply in that time (prefills it
+again as a prompt, so that the next turn reuses it), and the pause keeps that work out of the other side's
+request on these shared cores.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ from bench.traces import Agent, agent_system, chat_system, chat_user
 
 SECTION = "llama_server"
 AGENT_REPLY_TOKENS = 24  # as section 3
+# A reply is read before the next request (a person, or an agent's tool): each side is idle for this long after
+# its reply, so neither's idle work (Barrel settles its reply) runs while the other serves.
+READ_PAUSE_S = 1.0
 TARGET_LIVE = 1.0  # Barrel / llama-server, median TTFT of turns 2+
 TARGET_AGENT = 1.0  # Barrel / llama-server, sum of TTFT
 TARGET_RESTART = 5.0  # llama-server / Barrel, turn 1 after the restart
@@ -190,7 +196,9 @@ class Sides:
         body = {"model": MODEL, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                 **body}
         b = stream(self.port, path, body, "barreld")
+        time.sleep(READ_PAUSE_S)
         s = stream(self.server.port, path, {**body, "cache_prompt": True}, self.server.name)
+        time.sleep(READ_PAUSE_S)
         return Pair(b, s)
 
 

@@ -39,8 +39,8 @@ class Sequence:
     frontier_logits: np.ndarray | None = None  # logits after the frontier's last token, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
     snapshot: Snapshot | None = None
-    # Logits after the first `pos` tokens, kept when the frontier moved back past them (a reply being
-    # settled): they are right again, for the same prompt sent again, once the frontier is back at pos.
+    # The logits after the prompt (its first `pos` tokens), kept when settling moves the frontier off its end:
+    # the same prompt sent again samples from them once the sequence is cut back to it.
     kept_logits: tuple[int, np.ndarray] | None = None
 
     def logits_at(self, n: int) -> int | None:
@@ -63,11 +63,14 @@ class Sequence:
         self.offsets.append(len(self.rendered))
         self.stored_key = None
 
+    def _keep_prompt_logits(self) -> None:
+        if self.frontier_logits is not None and self.frontier == self.prompt_len:
+            self.kept_logits = (self.frontier, self.frontier_logits)
+
     def rewind(self, k: int) -> None:
         """Keeps the text but only the first k tokens as prefilled: the KV past them was removed."""
         if k < self.frontier:
-            if self.frontier_logits is not None:
-                self.kept_logits = (self.frontier, self.frontier_logits)
+            self._keep_prompt_logits()
             self.frontier = k
             self.frontier_logits = None
         if self.snapshot is not None and self.snapshot.length > k:
@@ -75,6 +78,7 @@ class Sequence:
 
     def prefilled(self, end: int, logits: np.ndarray) -> None:
         """Tokens already in the text up to `end` are prefilled now (a reply settled)."""
+        self._keep_prompt_logits()
         self.frontier = end
         self.frontier_logits = logits
 

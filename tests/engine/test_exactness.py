@@ -81,3 +81,17 @@ def test_a_chat_at_the_measured_grain_replies_as_cold_and_reuses_the_settled_rep
     # the coarse rule keeps whole chunks; the measured grain reuses past them (off the chunks at least once)
     assert all(r % CHUNK == 0 for r in restores) if forced else any(r % CHUNK for r in restores)
     e.close()
+
+
+def test_the_same_prompt_after_its_reply_settled_samples_from_its_kept_logits(tmp_path: Path, store: WatchedStore
+                                                                              ) -> None:
+    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    e.load(policy={"settle_tokens": "infinity"})
+    prompt = plain(37, 3)
+    first = e.run(prompt)
+    e.wait_settled()
+    assert e.counter("settled_tokens") > 0
+    again = e.run(prompt)
+    assert (again.route, again.started.cache.restored_tokens) == ("live", 37)  # no prefill at all
+    assert again.text == first.text
+    e.close()

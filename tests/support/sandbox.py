@@ -131,7 +131,7 @@ class Sandbox:
         wait: bool = True,
         env: dict[str, str] | None = None,
         module: str = "barreld",
-        timeout: float = 60,
+        timeout: float = 180,  # a first load of a model file decode-checks it and probes its reuse grain
     ) -> subprocess.Popen:
         """Starts `python -m <module> --socket <socket> *args` (barreld, or an entry point that wraps its
         main), its output appended to the sandbox's log; with `wait`, returns once it answers."""
@@ -144,7 +144,7 @@ class Sandbox:
             self.wait_ready(p, timeout)
         return p
 
-    def wait_ready(self, proc: subprocess.Popen | None = None, timeout: float = 60) -> None:
+    def wait_ready(self, proc: subprocess.Popen | None = None, timeout: float = 180) -> None:
         """Until a daemon (`proc` itself, when given) answers a status call on the socket.
 
         Each poll opens a fresh channel: one that failed to connect would wait out a reconnect backoff."""
