@@ -1,0 +1,196 @@
+"""An exact ram-tier hit against its floor: llama.cpp's own `llama_state_seq_set_data` of the same state and the
+first sample, in-process, in the same run.
+
+    python -m bench.restore_floor [--tokens 1390] [--reps 20]
+
+Floor (this process, the bundled model through barreld's own LlamaBackend, so the context has the daemon's
+settings: n_ctx 4096, n_batch 512, n_seq_max 1, every core): the prompt is prefilled once, its sequence state
+taken (`llama_state_seq_get_data`) with its last logits; then, per repetition, the sequence is cleared
+(untimed) and the floor is timed: `llama_state_seq_set_data` of those bytes (a pointer to them, no copy) and the
+first sample (greedy, over a copy of the stored logits, as a restored exact hit samples without a decode).
+`set_data + decode` is given beside it: the last token evaluated again instead of sampling stored logits.
+
+Barrel: one barreld with the ram tier (n_seq_max 1, default policy and block size). The prompt is sent once
+cold and its finish checkpoint awaited; then, per repetition, an unrelated short prompt takes the only
+sequence, so the prompt must come back from the stored row, and the prompt is sent again: its route must be
+`exact` from tier `ram`. Client TTFT (submit to the first token over the socket) and the daemon's own
+timings (lookup, restore = finding to the state in the sequence, ttft from arrival at the worker).
+
+Floor and Barrel repetitions alternate, so background load on a shared machine falls on both alike; medians
+are reported, after one uncounted repetition of each. The ratio is Barrel's client TTFT over the floor.
+Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import sys
+import time
+
+import numpy as np
+
+from bench.harness import Daemon, Tokenizer, machine, median, model_path, progress, quiet_stderr
+
+TARGET = 2.5  # Barrel's exact ram-tier TTFT at most this many times the floor
+
+
+class Floor:
+    """The prompt's state and logits in an in-process llama.cpp context, and the timed put-back."""
+
+    def __init__(self, prompt: str) -> None:
+        from barreld.engine.backend import BatchItem, ContextSettings
+        from barreld.engine.llama_backend import LlamaBackend
+
+        with quiet_stderr():
+            self.b = LlamaBackend(model_path(), ContextSettings(n_ctx=4096, n_batch=512, n_seq_max=1))
+        b, self._item = self.b, BatchItem
+        self.tokens = b.tokenize(prompt.encode())
+        n = len(self.tokens)
+        for start in range(0, n, b.n_batch):
+            chunk = self.tokens[start : start + b.n_batch]
+            b.decode([BatchItem(t, start + i, 0, start + i == n - 1) for i, t in enumerate(chunk)])
+        self.logits = b.logits(len(chunk) - 1)
+        self.state = b.state_get(0)
+        self._src = (ctypes.c_uint8 * len(self.state)).from_buffer(self.state)
+        self.first = int(np.argmax(self.logits))
+
+    def set_data(self) -> float:
+        """ms of set_data of the state into the cleared sequence and the first sample from the stored logits."""
+        b, L = self.b, self.b._L
+        b.seq_rm(0, 0, -1)
+        t0 = time.perf_counter_ns()
+        got = L.llama_state_seq_set_data(b._ctx, self._src, len(self.state), 0)
+        token = int(np.argmax(self.logits.copy()))
+        t1 = time.perf_counter_ns()
+        if got != len(self.state) or token != self.first:
+            raise RuntimeError(f"floor: set_data took {got} of {len(self.state)} bytes, sampled {token}")
+        return (t1 - t0) / 1e6
+
+    def set_data_decode(self) -> float:
+        """ms of set_data, then the last token evaluated again and sampled."""
+        b, L, n = self.b, self.b._L, len(self.tokens)
+        b.seq_rm(0, 0, -1)
+        t0 = time.perf_counter_ns()
+        L.llama_state_seq_set_data(b._ctx, self._src, len(self.state), 0)
+        b.seq_rm(0, n - 1, -1)
+        b.decode([self._item(self.tokens[-1], n - 1, 0, True)])
+        token = int(np.argmax(b.logits(0)))
+        t1 = time.perf_counter_ns()
+        if token != self.first:
+            raise RuntimeError(f"floor: the re-evaluated last token sampled {token}, not {self.first}")
+        return (t1 - t0) / 1e6
+
+    def close(self) -> None:
+        del self._src
+        self.b.close()
+
+
+class Barrel:
+    """One barreld with the ram tier; `warm()` is one exact hit restored from a stored row."""
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+        self.daemon = Daemon("restore-floor", tier="ram", n_seq_max=1)
+        self._flushes = 0
+
+    def __enter__(self) -> Barrel:
+        self.daemon.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.__exit__(*exc)
+
+    def _flush(self) -> None:
+        self._flushes += 1
+        self.daemon.flush_live(self._flushes)
+
+    def cold(self) -> dict[str, float]:
+        self._flush()
+        c = self.daemon.complete(self.prompt)
+        if c.route != "miss":
+            raise RuntimeError(f"a never-seen prompt took route {c.route}, not miss")
+        if self.daemon.wait_stored(c.key) is None:
+            raise RuntimeError("the finish checkpoint was never stored")
+        self.prompt_tokens = c.prompt_tokens
+        return {"ttft": c.client_ttft_ms, **{f"d_{k}": v for k, v in c.timings_ms.items()}}
+
+    def warm(self) -> dict[str, float]:
+        self._flush()
+        c = self.daemon.complete(self.prompt)
+        if c.route != "exact" or c.tier != "ram" or c.restored != c.prompt_tokens:
+            raise RuntimeError(f"the repeat took route {c.route} from {c.tier!r} ({c.restored} of "
+                               f"{c.prompt_tokens} tokens restored), not an exact hit from ram")
+        return {"ttft": c.client_ttft_ms, **{f"d_{k}": v for k, v in c.timings_ms.items()}}
+
+
+def run(tokens: int, reps: int) -> dict:
+    progress(f"building a prompt of about {tokens} tokens")
+    prompt = Tokenizer().text(tokens, "restore-floor", head="Report of the restore floor: ")
+    progress("floor: prefilling in-process and taking the state")
+    floor = Floor(prompt)
+    progress(f"floor: {len(floor.tokens)} tokens, state {len(floor.state) / 2**20:.1f} MiB")
+    fl, fd, warm = [], [], []
+    try:
+        progress("starting barreld (ram tier)")
+        with Barrel(prompt) as barrel:
+            cold = barrel.cold()
+            progress(f"barrel cold: {cold['ttft']:.0f} ms; {reps} repetitions (+1 uncounted), alternating")
+            for i in range(reps + 1):
+                gc.collect()
+                a, d = floor.set_data(), floor.set_data_decode()
+                w = barrel.warm()
+                if i:
+                    fl.append(a)
+                    fd.append(d)
+                    warm.append(w)
+                if i % 5 == 0:
+                    progress(f"  rep {i:2d}: floor {a:.2f} ms, barrel ttft {w['ttft']:.2f} ms "
+                             f"(restore {w['d_restore']:.2f} ms)")
+            n_barrel = barrel.prompt_tokens
+    finally:
+        floor.close()
+    keys = warm[0].keys()
+    return {"tokens": len(floor.tokens), "barrel_tokens": n_barrel, "state_mib": len(floor.state) / 2**20,
+            "floor": median(fl), "floor_decode": median(fd), "cold": cold,
+            "warm": {k: median([w[k] for w in warm]) for k in keys},
+            "warm_min": {k: min(w[k] for w in warm) for k in keys}, "reps": reps}
+
+
+def report(r: dict) -> str:
+    w, wm = r["warm"], r["warm_min"]
+    ratio = w["ttft"] / r["floor"]
+    lines = [
+        f"Exact ram-tier hit vs in-process floor: {r['tokens']} tokens ({r['barrel_tokens']} in barreld), "
+        f"state {r['state_mib']:.1f} MiB, medians of {r['reps']} (min in brackets)",
+        "",
+        f"  {'floor: set_data + first sample':<44} {r['floor']:8.2f} ms",
+        f"  {'floor: set_data + decode last token + sample':<44} {r['floor_decode']:8.2f} ms",
+        f"  {'barrel: client TTFT':<44} {w['ttft']:8.2f} ms  ({wm['ttft']:.2f})",
+        f"  {'barrel: daemon ttft':<44} {w['d_ttft']:8.2f} ms  ({wm['d_ttft']:.2f})",
+        f"  {'barrel: daemon lookup':<44} {w['d_lookup']:8.2f} ms  ({wm['d_lookup']:.2f})",
+        f"  {'barrel: daemon restore':<44} {w['d_restore']:8.2f} ms  ({wm['d_restore']:.2f})",
+        f"  {'barrel: daemon prefill (sample wait)':<44} {w['d_prefill']:8.2f} ms  ({wm['d_prefill']:.2f})",
+        f"  {'barrel: cold client TTFT':<44} {r['cold']['ttft']:8.2f} ms",
+        "",
+        f"  ratio TTFT / floor: {ratio:.2f}x (target at most {TARGET}x: {'met' if ratio <= TARGET else 'NOT met'})",
+        f"  ratio daemon ttft / floor: {w['d_ttft'] / r['floor']:.2f}x;"
+        f" restore / floor: {w['d_restore'] / r['floor']:.2f}x",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.restore_floor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=1390, help="prompt length in tokens (default 1390)")
+    p.add_argument("--reps", type=int, default=20, help="counted repetitions (default 20)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    m = machine()
+    progress(f"{m['cpu']} ({m['cores']} cores), load average {m['load']}")
+    print(report(run(args.tokens, args.reps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
