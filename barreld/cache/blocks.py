@@ -163,5 +163,8 @@ def _run_all(tasks: list[Callable[[], None]], pool: Executor | None, helpers: in
     finally:
         wait(running)
     if failures:
-        raise failures[0]
+        try:
+            raise failures[0]
+        finally:  # the failure's traceback holds this frame: a cycle that would keep the buffer until a gc
+            failures = []
 

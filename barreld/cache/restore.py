@@ -4,15 +4,16 @@ its blocks read and verified by a few helper threads beside the restoring one.
 A restore is held to llama.cpp's own `llama_state_seq_set_data` of the same state (bench/restore_floor.py), so
 the ram tier's path does no work that cannot change its answer:
 
-- A ram-tier block is not hashed again on a read: it lies in this process's private anonymous memory, written
-  there from the buffers its checksum was computed over, and no other process can touch it. Its header (magic,
-  format, key, length) is still checked. A file tier's block is always hashed (the file may have changed).
+- A ram-tier block is not hashed again on a restore: it lies in this process's private anonymous memory,
+  written there from the buffers its checksum was computed over, and no other process can touch it. Its header
+  (magic, format, key, length) is still checked. A file tier's block is always hashed (the file may have
+  changed), and `cache verify` (audit) hashes every block of every tier.
 - Each restoring thread assembles into one reused buffer, and remembers which row file it last assembled there
   (its verified xxh3-128 checksum, which covers the block keys, the tail and the sequence). A ram-tier restore
   of the same row file again, while nothing else has been assembled there, hands that buffer back instead of
   copying every block into it again: blocks are content-addressed, so the same row file assembles to the same
-  bytes. The state is handed out read-only, so nothing can change the buffer while it is remembered.
-  `cache verify` (audit) never takes this shortcut.
+  bytes. The state is handed out read-only, so nothing can change the buffer while it is remembered; the row
+  file itself is read and verified every time. `cache verify` never takes this shortcut.
 """
 
 from __future__ import annotations
@@ -119,21 +120,22 @@ class Reader:
         if digest is not None and done is not None and done[0] == digest:
             return replace(ckpt, state=memoryview(_assembly.buf)[: done[1]].toreadonly(), chain=None)
         _assembly.done = None  # the buffer is about to change; a failure below leaves it unknown
-        whole = blocks.assemble(ckpt, self._block_loader(row), self._assemblers, ASSEMBLY_HELPERS,
+        whole = blocks.assemble(ckpt, self._block_loader(row, trust_ram=digest is not None), self._assemblers,
+                                ASSEMBLY_HELPERS,
                                 out=partial(thread_buffer, _assembly))
         state = memoryview(whole.state)
         if digest is not None and state.obj is getattr(_assembly, "buf", None):
             _assembly.done = (digest, state.nbytes)
         return replace(whole, state=state.toreadonly())
 
-    def _block_loader(self, row: Row) -> Callable[[int], memoryview]:
+    def _block_loader(self, row: Row, trust_ram: bool = False) -> Callable[[int], memoryview]:
         """load(i): row's block i read and verified, its payload returned. A file block is read into slot i of
-        this thread's reused buffer, a ram block in place. A block that is missing or fails verification is
-        counted and marked for the next save that names it to write again; the row is not assembled
-        (CorruptCheckpoint)."""
+        this thread's reused buffer, a ram block in place, its checksum not computed again with `trust_ram`
+        (a restore; the module's doc says why). A block that is missing or fails verification is counted and
+        marked for the next save that names it to write again; the row is not assembled (CorruptCheckpoint)."""
         tier = self._tiers[row.tier]
         size = len(row.blocks) * row.block_size if isinstance(tier, FileTier) else 0
-        trusted = isinstance(tier, RamTier)  # this process's own memory: not hashed again (module doc)
+        trusted = trust_ram and isinstance(tier, RamTier)
         buf = memoryview(thread_buffer(_read_buffers, size))
 
         def load(i: int) -> memoryview:
