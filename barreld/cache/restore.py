@@ -120,9 +120,8 @@ class Reader:
         if digest is not None and done is not None and done[0] == digest:
             return replace(ckpt, state=memoryview(_assembly.buf)[: done[1]].toreadonly(), chain=None)
         _assembly.done = None  # the buffer is about to change; a failure below leaves it unknown
-        whole = blocks.assemble(ckpt, self._block_loader(row, trust_ram=digest is not None), self._assemblers,
-                                ASSEMBLY_HELPERS,
-                                out=partial(thread_buffer, _assembly))
+        load = self._block_loader(row, trust_ram=digest is not None)
+        whole = blocks.assemble(ckpt, load, self._assemblers, ASSEMBLY_HELPERS, out=partial(thread_buffer, _assembly))
         state = memoryview(whole.state)
         if digest is not None and state.obj is getattr(_assembly, "buf", None):
             _assembly.done = (digest, state.nbytes)
