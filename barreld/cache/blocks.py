@@ -62,12 +62,14 @@ def encode_block(key: bytes, payload: Buffer) -> list[Buffer]:
     return [head, payload, h.digest()]
 
 
-def decode_block(buf: Buffer, key: bytes) -> memoryview:
-    """The payload of a verified block file of `key` (a view into buf); CorruptCheckpoint otherwise."""
+def decode_block(buf: Buffer, key: bytes, *, verify: bool = True) -> memoryview:
+    """The payload of a verified block file of `key` (a view into buf); CorruptCheckpoint otherwise. Without
+    `verify` its checksum is not computed again (its header still is checked): only for a block that has stayed
+    in this process's memory since its checksum was computed."""
     mv = memoryview(buf).cast("B")
     if len(mv) < _HEAD.size + _TRAILER:
         raise CorruptCheckpoint(f"block {key.hex()} is too short ({len(mv)} bytes)")
-    if xxhash.xxh3_128(mv[:-_TRAILER]).digest() != mv[-_TRAILER:]:
+    if verify and xxhash.xxh3_128(mv[:-_TRAILER]).digest() != mv[-_TRAILER:]:
         raise CorruptCheckpoint(f"block {key.hex()}: checksum mismatch")
     magic, version, zero, stored_key, length = _HEAD.unpack_from(mv)
     if magic != BLOCK_MAGIC or version != BLOCK_FORMAT or zero or stored_key != key:
@@ -161,5 +163,8 @@ def _run_all(tasks: list[Callable[[], None]], pool: Executor | None, helpers: in
     finally:
         wait(running)
     if failures:
-        raise failures[0]
+        try:
+            raise failures[0]
+        finally:  # the failure's traceback holds this frame: a cycle that would keep the buffer until a gc
+            failures = []
 

@@ -130,6 +130,13 @@ def _even_runs(src_segs: list[_Seg], dst_segs: list[_Seg]) -> list[tuple[_Seg, _
     return runs
 
 
+@functools.lru_cache(maxsize=64)
+def _runs_into(kv: KvShape, cells: int, dst_segs: tuple[_Seg, ...]) -> list[tuple[_Seg, _Seg, int, int, int]]:
+    """`_even_runs` from a chunk payload of `cells` cells into a state's fields, kept: every restore of a model
+    assembles into the same few layouts, and working them out again took a tenth of the copying's time."""
+    return _even_runs(_payload_segs(kv, cells), list(dst_segs))
+
+
 def _form(seg: _Seg) -> tuple[int, int, int, int]:
     return seg.chans, seg.chan_stride, seg.cell_stride, seg.unit
 
@@ -327,7 +334,7 @@ class Assembly:
                 off = _place_carried(self._dst, off, next(carried_parts), seq_id)
         if off != size:
             raise AssertionError(f"assembled {off} of {size} bytes")
-        self._runs = {c: _even_runs(_payload_segs(kv, c), self._segs) for c in set(counts) if c and kv is not None}
+        self._runs = {c: _runs_into(kv, c, tuple(self._segs)) for c in set(counts) if c and kv is not None}
 
     def place(self, i: int, chunk: Buffer) -> None:
         """Chunk i's cells (positions after chunks 0..i-1's), as `chunk` lays them out."""

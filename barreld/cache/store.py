@@ -279,7 +279,7 @@ class CacheStore:
             row = index.get(key)
             ckpt = None
             if row is not None and row.status == AVAILABLE and hit.n_tokens <= row.tokens:
-                ckpt = self._reader.read_verified(row)
+                ckpt = self._reader.read_verified(row, reuse=True)
             if ckpt is not None:
                 index.touch(key)
                 self.counters.add_ns("restore_ns", time.perf_counter_ns() - t0)

@@ -357,3 +357,92 @@ def test_stats_keep_logical_bytes_without_reading_a_row(bstore, monkeypatch) -> 
     reopened = bstore()  # counted again by the one pass at open
     assert reopened.stats()["tiers"]["disk"]["logical_bytes"] == sum(logical.values())
     assert reopened.check() == []
+
+
+def _count_block_reads(store: CacheStore, tier: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every block location the tier is read at from now on."""
+    t = store.tier(tier)
+    reads: list[str] = []
+    for name in ("read", "read_into"):
+        if hasattr(t, name):
+            real = getattr(t, name)
+
+            def counted(location: str, *args, _real=real):
+                if location.endswith(".kvb"):
+                    reads.append(location)
+                return _real(location, *args)
+
+            monkeypatch.setattr(t, name, counted)
+    return reads
+
+
+def test_a_ram_restore_of_the_row_assembled_last_hands_that_assembly_back(bstore, monkeypatch) -> None:
+    store = bstore()
+    a, b = ckpt(64, 5), ckpt(80, 3)
+    for c in (a, b):
+        store.save(c, "ram", sync=True)
+    assert restored(store, a) == bytes(a.state)
+    reads = _count_block_reads(store, "ram", monkeypatch)
+    assert restored(store, a) == bytes(a.state) and reads == []  # the same row file: no block read again
+    assert restored(store, b) == bytes(b.state) and len(reads) == len(store.index.get(b.key).blocks)
+    reads.clear()
+    assert restored(store, a) == bytes(a.state) and len(reads) == len(store.index.get(a.key).blocks)
+
+
+@pytest.mark.parametrize("tier", ["ram", "ram_file", "disk"])
+def test_a_restored_state_is_read_only(bstore, tier: str) -> None:
+    store = bstore()
+    a = ckpt(64, 5)
+    store.save(a, tier, sync=True)
+    for _ in range(2):  # assembled, then (ram) handed back
+        with store.restore(store.lookup(a.key)) as got:
+            assert got is not None and memoryview(got.state).readonly and bytes(got.state) == bytes(a.state)
+
+
+@pytest.mark.parametrize("tier", ["ram_file", "disk"])
+def test_a_file_tier_reads_and_verifies_every_block_on_every_restore(bstore, tier: str, monkeypatch) -> None:
+    store = bstore()
+    a = ckpt(64, 5)
+    store.save(a, tier, sync=True)
+    assert restored(store, a) == bytes(a.state)
+    reads = _count_block_reads(store, tier, monkeypatch)
+    assert restored(store, a) == bytes(a.state) and len(reads) == len(store.index.get(a.key).blocks)
+    _flip_file(reads[0], 100)
+    assert restored(store, a) is None
+    assert store.stats()["counters"]["corrupt_blocks"] == 1
+
+
+def test_verify_hashes_the_ram_tiers_blocks(bstore) -> None:
+    """A restore trusts a ram-tier block (this process's own memory); `cache verify` does not."""
+    store = bstore()
+    a = ckpt(64, 5)
+    store.save(a, "ram", sync=True)
+    assert restored(store, a) == bytes(a.state)
+    tier = store.tier("ram")
+    view = tier.read(tier.block_location(store.index.get(a.key).blocks[0].hex()))
+    view[100] ^= 0xFF
+    del view
+    assert restored(store, a) == bytes(a.state)  # the assembly made before the damage, its row file unchanged
+    checked, bad = store.verify()
+    assert checked == 1 and bad == [a.key.hex()] and restored(store, a) is None
+
+
+def test_a_ram_block_with_another_key_in_its_header_is_refused(bstore) -> None:
+    """Not hashed again on a restore, a ram-tier block still has its header checked against its key."""
+    store = bstore()
+    a = ckpt(64, 5)
+    store.save(a, "ram", sync=True)
+    tier = store.tier("ram")
+    view = tier.read(tier.block_location(store.index.get(a.key).blocks[0].hex()))
+    view[16] ^= 0xFF  # the key field of the block's header
+    del view
+    assert restored(store, a) is None
+    assert store.stats()["counters"]["corrupt_blocks"] == 1
+
+
+def _flip_file(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
