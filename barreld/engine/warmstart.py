@@ -269,8 +269,8 @@ class WarmStarts:
                 return 0
             if k < len(ckpt.tokens) and self.memory.cuts_states:
                 self.backend.seq_rm(seq.id, k, -1)
-            for t in ckpt.tokens[:k]:
-                seq.append(t, self.backend.piece(t), prefilled=True)
+            kept = ckpt.tokens[:k]
+            seq.extend_prefilled(kept, [self.backend.piece(t) for t in kept])
             seq.origin = plan.hit.row_key
             if ckpt.logits is not None and ckpt.logits_tokens == k:
                 seq.frontier_logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()

@@ -10,6 +10,7 @@ import pytest
 from barreld.engine.backend import ContextSettings
 from barreld.engine.exactness import ReuseProbe, measure
 from barreld.engine.registry import model_memory
+from barreld.engine.sequence import Sequence
 from barreld.names import MemoryKind
 from tests.fakes.backend import FakeBackend, write_gguf
 
@@ -95,3 +96,14 @@ def test_the_same_prompt_after_its_reply_settled_samples_from_its_kept_logits(tm
     assert (again.route, again.started.cache.restored_tokens) == ("live", 37)  # no prefill at all
     assert again.text == first.text
     e.close()
+
+
+def test_a_bulk_extend_equals_appending_one_by_one() -> None:
+    one, bulk = Sequence(0), Sequence(1)
+    one.append(7, b"ab", prefilled=True)
+    bulk.append(7, b"ab", prefilled=True)
+    for t, piece in ((1, b"c"), (2, b""), (3, b"def")):
+        one.append(t, piece, prefilled=True)
+    bulk.extend_prefilled([1, 2, 3], [b"c", b"", b"def"])
+    assert (bulk.tokens, bulk.offsets, bytes(bulk.rendered), bulk.frontier) == (
+        one.tokens, one.offsets, bytes(one.rendered), one.frontier)
