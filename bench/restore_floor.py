@@ -34,12 +34,15 @@ import ctypes
 import gc
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from barrelctl.client import ReplyToken
 from bench.harness import MODEL, Daemon, Tokenizer, machine, median, model_path, progress, quiet_stderr
+from bench.report import put_section
 
+SECTION = "restore_floor"
 TARGET = 2.5  # Barrel's exact ram-tier TTFT at most this many times the floor
 
 
@@ -219,10 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.restore_floor", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=1390, help="prompt length in tokens (default 1390)")
     p.add_argument("--reps", type=int, default=20, help="counted repetitions (default 20)")
+    p.add_argument("--results", type=Path, help="also write the section 'restore_floor' of this results file")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     m = machine()
     progress(f"{m['cpu']} ({m['cores']} cores), load average {m['load']}")
-    print(report(run(args.tokens, args.reps)))
+    text = report(run(args.tokens, args.reps))
+    print(text)
+    if args.results is not None:
+        head = ("## An exact ram-tier hit against its floor\n\n"
+                f"`python -m bench.restore_floor {' '.join(sys.argv[1:] if argv is None else argv)}` (load "
+                f"{m['load']}); the method is in bench/restore_floor.py's docstring.\n")
+        put_section(args.results, SECTION, f"{head}\n```\n{text}\n```\n")
     return 0
 
 
