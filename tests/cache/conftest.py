@@ -20,6 +20,15 @@ SCHEME = KeyScheme(
 )
 
 
+def flip_byte(path: str, at: int) -> None:
+    """Damages a file in place: one bit of the byte at `at` flipped."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+
+
 def make_ckpt(
     rendered: bytes,
     state_len: int = 1000,

@@ -15,7 +15,7 @@ from barreld.cache.blocks import decode_block, encode_block
 from barreld.cache.errors import CorruptCheckpoint
 from barreld.cache.index import Index
 from tests.cache import synthstate as ss
-from tests.cache.conftest import SCHEME
+from tests.cache.conftest import SCHEME, flip_byte
 
 B = 16  # block_tokens
 LAYERS = (ss.Layer(1, 64, 1, 64), ss.Layer(1, 32, 1, 32))
@@ -407,7 +407,7 @@ def test_a_file_tier_reads_and_verifies_every_block_on_every_restore(bstore, tie
     assert restored(store, a) == bytes(a.state)
     reads = _count_block_reads(store, tier, monkeypatch)
     assert restored(store, a) == bytes(a.state) and len(reads) == len(store.index.get(a.key).blocks)
-    _flip_file(reads[0], 100)
+    flip_byte(reads[0], 100)
     assert restored(store, a) is None
     assert store.stats()["counters"]["corrupt_blocks"] == 1
 
@@ -439,10 +439,3 @@ def test_a_ram_block_with_another_key_in_its_header_is_refused(bstore) -> None:
     assert restored(store, a) is None
     assert store.stats()["counters"]["corrupt_blocks"] == 1
 
-
-def _flip_file(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x10]))

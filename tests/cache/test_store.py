@@ -15,7 +15,7 @@ from barreld.cache import CacheStore, Checkpoint, StoreLocked, TierConfig, encod
 from barreld.cache import tiers as tiers_mod
 from tests.faultd import write_fault
 
-from .conftest import SCHEME, make_ckpt
+from .conftest import SCHEME, flip_byte, make_ckpt
 
 StoreFactory = Callable[..., CacheStore]
 SIZE = encoded_size(make_ckpt(b"prompt-A"))  # every prompt-X checkpoint is about this big
@@ -230,13 +230,6 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
         store.counters.count("hits_typo")
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x10]))
-
 
 @pytest.mark.parametrize("tier", ["ram", "ram_file", "disk"])
 def test_corrupt_payload_is_never_served(store: CacheStore, tier: str) -> None:
@@ -247,7 +240,7 @@ def test_corrupt_payload_is_never_served(store: CacheStore, tier: str) -> None:
         view[700] ^= 0x10
         del view
     else:
-        _flip(location, 700)
+        flip_byte(location, 700)
     hit = store.lookup(ckpt.key)
     assert hit is not None
     with store.restore(hit) as got:
@@ -275,7 +268,7 @@ def test_missing_file_drops_the_row(store: CacheStore) -> None:
 
 def test_verify_drops_bad_rows(store: CacheStore) -> None:
     saved = [save(store, f"prompt-{i}".encode(), tier) for i, tier in enumerate(["disk", "ram_file", "disk"])]
-    _flip(store.tier("disk").location_for(saved[2].key.hex()), 5)
+    flip_byte(store.tier("disk").location_for(saved[2].key.hex()), 5)
     progress: list[tuple[int, int]] = []
     assert store.verify(lambda i, n: progress.append((i, n))) == (3, [saved[2].key.hex()])
     assert progress == [(1, 3), (2, 3), (3, 3)]
