@@ -259,7 +259,7 @@ class WarmStarts:
         if plan.hit is None:
             return 0
         with self._read(plan.hit) as ckpt:
-            k = 0 if ckpt is None else self._usable(ckpt, plan.hit, tokens)
+            k = 0 if ckpt is None else self._usable(ckpt, tokens)
             if k == 0:
                 return 0
             try:
@@ -287,9 +287,11 @@ class WarmStarts:
                 ckpt = None
             yield ckpt
 
-    def _usable(self, ckpt: Checkpoint, hit: Hit, tokens: list[int]) -> int:
-        """Tokens of a read checkpoint the prompt can reuse: its tokens must be the prompt's own."""
-        matched = common_prefix_len(ckpt.tokens[: hit.n_tokens], tokens)
+    def _usable(self, ckpt: Checkpoint, tokens: list[int]) -> int:
+        """Tokens of a read checkpoint the prompt can reuse: its tokens must be the prompt's own. Found under a
+        prefix of the prompt (a block boundary), a row may share more of it than that prefix: every token the
+        two have in common counts, up to the row's frontier."""
+        matched = common_prefix_len(ckpt.tokens, tokens)
         logits_at = ckpt.logits_tokens if ckpt.logits is not None else None
         return self.memory.restore_point(ckpt.frontier_tokens, matched, len(tokens), logits_at)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from barreld.engine.exactness import ReuseProbe
+
 from .conftest import CHUNK, Engine, Reply, WatchedStore, collect, plain, prose, wait_until
 
 
@@ -166,17 +168,18 @@ def test_a_resume_that_waits_too_long_prefills(engine: Engine) -> None:
 
 def test_rows_stored_as_blocks_are_found_at_every_block(tmp_path: Path) -> None:
     """An agent's next prompt extends its last one, whose length is no multiple of the alignment (16): with
-    blocks (8 tokens) the walk probes every block, so the whole prompt is found, not its last multiple of 16."""
+    blocks (8 tokens) the walk probes every block and, the row read, every token it shares with the prompt
+    counts, so the whole last prompt is reused at the measured grain (1 here), not its last multiple of 16."""
     store = WatchedStore(tmp_path, block_tokens=CHUNK).open()
-    e = Engine(tmp_path, store)
+    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
     e.load()
-    a = plain(40, 21)
+    a = plain(44, 21)
     first = e.run(a)
     e.run(plain(30, 22))  # another agent takes the live sequence
     store.settle()  # the finish row is published
     b = a + first.text + plain(12, 23)[1:]
     reply = e.run(b)
-    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 40)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 44)
     assert reply.text == e.cold(b).text
     e.close()
     store.close()
