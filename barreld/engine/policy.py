@@ -66,6 +66,9 @@ class Policy:
     settle_tokens: int | float = _gate(INFINITY, 0, infinity=True)
     """The most tokens of an idle sequence's text settled (prefilled again in the canonical chunks so that the
     next turn reuses them) after a reply; 0 turns settling off."""
+    settle_after_ms: int = _gate(200, 0)
+    """How long a model stays idle after a reply before settling starts: a request that comes sooner (an
+    agent's next call) finds the model free, not in the middle of a chunk."""
     reuse_grain: int | Literal["auto"] = _gate(AUTO, 1, auto=True)
     """Reuse points are multiples of it: "auto" is the finest grain the load's probe proves exact; a number
     is a floor (a grain at least the chunk size keeps reuse at chunk boundaries and skips the probe)."""

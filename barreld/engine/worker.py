@@ -10,9 +10,9 @@ A request's warm start is found, applied and checked by `barreld.engine.warmstar
 for one plan and the tokens it kept, then schedules the rest of the prefill.
 
 A reply's tokens were decoded one at a time, which gives other KV than a prefill on most builds, so a next
-turn would prefill them again. When nothing waits, the worker settles them instead: it cuts an idle
-sequence back to its last exact reuse point and prefills the rest of its text in the canonical chunks, one
-chunk per tick, so a request that arrives waits at most one chunk.
+turn would prefill them again. When nothing has come for settle_after_ms after a reply, the worker settles
+them instead: it cuts an idle sequence back to its last exact reuse point and prefills the rest of its text
+in the canonical chunks, one chunk per tick, so a request that arrives meanwhile waits at most one chunk.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class ModelWorker:
         self._next_id = 0
         self._shutdown_saved = 0
         self.settling = False  # an idle sequence's reply may still be settled (read by tests)
+        self._idle_at = 0.0  # when the last request let go of its sequence
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
         self._thread.start()
 
@@ -136,8 +137,11 @@ class ModelWorker:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._active or self._unsettled()):
-                        self._cond.wait()
+                    while not (self._stopping or self._waiting or self._active):
+                        wait = self._settle_wait()
+                        if wait == 0.0:
+                            break
+                        self._cond.wait(wait)
                     if self._stopping:
                         for req in self._waiting:
                             req.events.put(Failed(Unavailable(f"model {self.name} was unloaded")))
@@ -447,6 +451,12 @@ class ModelWorker:
             k = 0
         return k if 0 < k < n and n - k <= self.cache.policy.settle_tokens else 0
 
+    def _settle_wait(self) -> float | None:
+        """Seconds until settling may start (0: now), None when there is nothing to settle."""
+        if self._unsettled() is None:
+            return None
+        return max(0.0, self._idle_at + self.cache.policy.settle_after_ms / 1000.0 - time.monotonic())
+
     def _unsettled(self) -> Sequence | None:
         seq = next((s for s in self.seqs if self._settle_point(s)), None)
         self.settling = seq is not None
@@ -494,6 +504,7 @@ class ModelWorker:
         seq = self.seqs[req.seq]
         seq.request = None
         self.settling = True  # until the loop finds nothing to settle
+        self._idle_at = time.monotonic()
         seq.last_used = time.monotonic()
         with self._cond:
             if req in self._active:

@@ -19,6 +19,7 @@ GUIDE_DEFAULTS = {
     "prefill_chunk_size": "auto",
     "evict_save_timeout_ms": 30000,
     "settle_tokens": "infinity",  # settle every reply while idle; reuse at the finest grain proven exact
+    "settle_after_ms": 200,
     "reuse_grain": "auto",
 }
 
