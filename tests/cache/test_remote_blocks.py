@@ -41,6 +41,8 @@ def test_a_shared_head_is_sent_once_and_each_host_fetches_only_what_it_lacks(
     assert (stats["blocks_local"], stats["blocks_fetched"]) == (3, 4 + 2)
     # Only the second row's description, its own file and its last two blocks crossed the network.
     assert 2 * block_value < stats["bytes_read"] - read_before < 3 * block_value
+    if (promotion := b.pending(second.key)) is not None:
+        promotion.result(10)  # the audit is for quiet moments: let the second promotion land first
     assert a.check() == [] and b.check() == []
 
 
