@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from barrelctl.client import Completion
+from barreld.engine.chat import Message
 from barreld.engine.memory import Memory
 from barreld.engine.registry import bundled_model_path
 from barreld.names import MemoryKind
@@ -67,9 +68,16 @@ MODELS = {
 }
 
 
+TINY = (tiny_recurrent_path, tiny_hybrid_path)
+
+
+def models_config_of(model: str) -> str:
+    m = MODELS[model]
+    return f'\n[[models]]\nname = "{model}"\npath = "{m.path()}"\nn_threads = 1\n{m.knobs}'
+
+
 def models_config() -> str:
-    return "".join(f'\n[[models]]\nname = "{name}"\npath = "{m.path()}"\nn_threads = 1\n{m.knobs}'
-                   for name, m in MODELS.items())
+    return "".join(map(models_config_of, MODELS))
 
 
 def doc(i: int, n_words: int) -> str:
@@ -195,6 +203,49 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
     assert all(r["blocks"] == (0 if MODELS[model].memory == "recurrent" else r["frontier"] // BLOCK) for r in rows)
     if sum(1 for r in rows if r["blocks"]) > 1:  # one conversation's rows share its first blocks
         assert any(r["shared_bytes"] for r in rows)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat(w: Sandbox, model: str, messages: list[tuple[str, str]], parent_key: str = "") -> Completion:
+    with w.client() as c:
+        return c.complete(b"", model=model, messages=[Message(r, t) for r, t in messages], chat_template=CHATML,
+                          max_tokens=12, parent_key=parent_key, timeout=600).result()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_stored_prefix_restores_exactly_after_a_restart(cold: Sandbox, model: str) -> None:
+    """An agent's conversation, then a restart (nothing live to lean on): a conversation that shares only its
+    system message restores the state stored where that message ended (longest prefix, from disk), and the
+    next turn resumes from the first; both replies are a cold prefill's. A state that cannot be cut serves
+    only its own length, so the prefill snapshots it at the message's end (the chunk boundary below it)."""
+    words = MODELS[model].words * 2 // 5  # a system message of 250 to 1,200 tokens
+    system = ("system", doc(40 + len(model), words))
+    # a long task, so that the cold capture (near the prompt's end) lies past the system message
+    first = [system, ("user", doc(41, words))]
+    with Sandbox.new(POLICY + models_config_of(model)) as w:
+        p = w.start_daemon(timeout=300)
+        one = chat(w, model, first)
+        assert one.route == "miss"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 0
+        w.start_daemon(timeout=300)
+        cases = [("longest_prefix", [system, ("user", doc(42, 50))], ""),
+                 ("resume", [*first, ("assistant", one.text.decode("utf-8", "replace")), ("user", doc(43, 40))],
+                  one.key)]
+        for route, messages, parent in cases:
+            flush(w, model)
+            flush(cold, model)
+            got, ref = chat(w, model, messages, parent), chat(cold, model, messages)
+            assert ref.route == "miss" and got.text == ref.text, (route, got.route, got.restored)
+            # The tiny models' tokenizers join the cue's newline to the reply's first bytes: the parent's last
+            # token is not the prompt's, and the next best row (the snapshot at the system message) serves.
+            served = {route, "longest_prefix"} if MODELS[model].path in TINY else {route}
+            assert got.route in served and got.tier == "disk" and got.restored >= CHUNK, (route, got.route)
+            if MODELS[model].memory != "full":
+                assert got.restored % CHUNK == 0 and (model != "gemma_ring" or got.restored <= 512), got.restored
 
 
 def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> None:

@@ -115,31 +115,88 @@ def render(
     No template (a base model) is FailedPrecondition naming the model; a template that fails on these
     messages (many refuse a system role, or turns out of order) is InvalidArgument with its own words.
     """
-    if not template:
-        raise FailedPrecondition(
-            f"model {model} has no chat template; send a plain prompt, or give a template with the request"
-        )
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    return _Renderer(template, messages, bos=bos, eos=eos, model=model, tools=tools).whole()
 
-    def raise_exception(message: str) -> None:
-        raise InvalidArgument(f"the chat template refused the messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = tojson
-    extra = {} if tools is None or not knows_tools(template) else {"tools": template_tools(tools.tools)}
-    try:
-        text = env.from_string(template).render(
-            messages=template_messages(template, messages, tools),
-            add_generation_prompt=True,
-            bos_token=bos,
-            eos_token=eos,
-            **extra,
-        )
-    except jinja2.TemplateError as exc:
-        raise InvalidArgument(f"the chat template failed: {exc}") from None
-    return text.encode("utf-8", "replace")
+def render_with_ends(
+    template: str | None,
+    messages: tuple[Message, ...],
+    *,
+    bos: str,
+    eos: str,
+    model: str,
+    tools: ToolSpec | None = None,
+) -> tuple[bytes, tuple[int, ...]]:
+    """`render`, and the byte offsets where the rendered messages end (where agents' prompts part: after the
+    system prompt and tools, after each turn). A message's end is where the conversation cut after it renders
+    to a prefix of the whole; templates that render earlier turns by what follows them give fewer ends. A long
+    conversation gives the first and the last ends only, so the cost stays bounded."""
+    renderer = _Renderer(template, messages, bos=bos, eos=eos, model=model, tools=tools)
+    text = renderer.whole()
+    ends = []
+    for n in _ends_tried(len(renderer.messages)):
+        try:
+            head = renderer.head(n)
+        except InvalidArgument:
+            continue
+        if 0 < len(head) < len(text) and text.startswith(head):
+            ends.append(len(head))
+    return text, tuple(sorted(set(ends)))
+
+
+MESSAGE_ENDS_HEAD, MESSAGE_ENDS_TAIL = 8, 24
+
+
+def _ends_tried(n_messages: int) -> list[int]:
+    """The message counts whose ends are looked for: all of them, or the first and the last in a long
+    conversation (each look renders the conversation up to there)."""
+    counts = range(1, n_messages + 1)
+    if n_messages <= MESSAGE_ENDS_HEAD + MESSAGE_ENDS_TAIL:
+        return list(counts)
+    return [*counts[:MESSAGE_ENDS_HEAD], *counts[-MESSAGE_ENDS_TAIL:]]
+
+
+class _Renderer:
+    """One conversation and its template, compiled once: the whole rendering, and the renderings of its
+    first n messages without the cue."""
+
+    def __init__(self, template: str | None, messages: tuple[Message, ...], *, bos: str, eos: str, model: str,
+                 tools: ToolSpec | None) -> None:
+        if not template:
+            raise FailedPrecondition(
+                f"model {model} has no chat template; send a plain prompt, or give a template with the request"
+            )
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise InvalidArgument(f"the chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = tojson
+        self._errors = jinja2.TemplateError
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateError as exc:
+            raise InvalidArgument(f"the chat template failed: {exc}") from None
+        self.messages = template_messages(template, messages, tools)
+        self._extra = {"bos_token": bos, "eos_token": eos}
+        if tools is not None and knows_tools(template):
+            self._extra["tools"] = template_tools(tools.tools)
+
+    def whole(self) -> bytes:
+        return self._render(self.messages, cue=True)
+
+    def head(self, n: int) -> bytes:
+        return self._render(self.messages[:n], cue=False)
+
+    def _render(self, messages: list[dict], cue: bool) -> bytes:
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=cue, **self._extra)
+        except self._errors as exc:
+            raise InvalidArgument(f"the chat template failed: {exc}") from None
+        return text.encode("utf-8", "replace")
 
 
 def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,

@@ -126,7 +126,36 @@ class ModelCache:
         stride = self.policy.boundary_align_tokens
         if self.memory.cuts_states and self.block_shape is not None and self.store is not None:
             stride = min(stride, self.store.block_tokens or stride)
+        elif self.snapshots_boundaries:
+            stride = min(stride, self.memory.chunk)
         return self.policy.prefix_boundaries(n_tokens, stride)
+
+    @property
+    def snapshots_boundaries(self) -> bool:
+        """Whether prefills store snapshots at message ends (`boundary_points`)."""
+        gap = self.policy.snapshot_gap_tokens
+        return self.store is not None and not self.memory.cuts_states and gap != INFINITY
+
+    def boundary_points(self, n_tokens: int, kept: int, message_ends: list[int]) -> frozenset[int]:
+        """Where a prefill of n_tokens from `kept` stores a snapshot as its own row, for a memory that cannot
+        be cut: a state there is the only way a later prompt sharing that prefix restores anything.
+
+        Points are chunk boundaries (a prefill passes them anyway, so the snapshot changes no batch and is
+        byte for byte the state a cold prefill of that prefix writes) at or below the ends of messages (of a
+        raw prompt: multiples of boundary_align_tokens), first ones first, each at least
+        snapshot_gap_tokens after the last state kept, and short of the prompt's own end snapshot."""
+        if not self.snapshots_boundaries:
+            return frozenset()
+        chunk, align = self.memory.chunk, self.policy.boundary_align_tokens
+        marks = message_ends or range(align, n_tokens, align)
+        last, end = kept, self.memory.snapshot_point(n_tokens, kept)
+        points = []
+        for p in sorted({m // chunk * chunk for m in marks}):
+            if p - last >= self.policy.snapshot_gap_tokens and p < n_tokens and p != end \
+                    and self.memory.restorable(p) and self.policy.allows_save(p):
+                points.append(p)
+                last = p
+        return frozenset(points)
 
     def stored_texts(self, limit: int) -> list[tuple[bytes, bytes]]:
         """(key, text) of this model's most recently used rows, at most `limit`."""

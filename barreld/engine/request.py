@@ -33,6 +33,7 @@ class CompletionParams:
     turn_ends: tuple[bytes, ...] = ()  # the model's (a chat only): they end the reply as its end-of-turn token would
     parent_key: bytes | None = None
     tools: ToolSpec | None = None  # rendered into the prompt; a forced call adds its grammar
+    message_ends: tuple[int, ...] = ()  # byte offsets in the rendered prompt where its messages end
 
 
 @dataclass
@@ -135,6 +136,7 @@ class Request:
     pending: int | None = None  # sampled token not yet in the KV cache
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
+    boundaries: frozenset[int] = frozenset()  # prompt lengths at which to store a snapshot as its own row
     snapshot_at: int = 0  # prompt length at which to copy the state of a memory that cannot be cut (0: none)
     prefill_started: float = 0.0
     first_token_at: float | None = None

@@ -16,6 +16,7 @@ prompt's stride boundaries, longest first), then the remote tier in one round tr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -46,7 +47,9 @@ class WarmStart:
 
     Applied, llama.cpp must then report positions that hold exactly the tokens kept (`Memory.holds`): 0 to
     kept - 1 for full attention, the window's last cells for a sliding window, kept - 1 alone for a recurrent
-    state. A stored row may keep fewer tokens than planned once read (its tokens must be the prompt's own)."""
+    state. A stored row may keep fewer tokens than planned once read (its tokens must be the prompt's own: a
+    parent whose bytes the prompt extends may end on a token the prompt splits otherwise); then `fallback`,
+    the next best stored row, is tried."""
 
     route: Route = Route.MISS
     tokens: int = 0
@@ -54,6 +57,7 @@ class WarmStart:
     snapshot: Snapshot | None = None
     hit: Hit | None = None
     tier: str | None = None
+    fallback: WarmStart | None = None
 
     def served(self, kept: int) -> tuple[Route, str | None]:
         """The route and tier a request reports once `kept` tokens were put back (none: a miss)."""
@@ -91,18 +95,28 @@ class WarmStarts:
             return best
         t0 = time.perf_counter_ns()
         try:
-            for candidate in (
+            stored = [c for c in (
                 self._exact(len(tokens), rendered),
                 self._resume(parent_key, len(tokens), rendered, offsets),
                 self._longest_prefix(len(tokens), rendered, offsets, best.tokens),
-            ):
-                if candidate is not None and candidate.tokens > best.tokens:
-                    best = candidate
-            if best.hit is None and store.remote is not None:
+            ) if c is not None and c.tokens > best.tokens]
+            if not stored and store.remote is not None:
                 best = self._remote(len(tokens), rendered, offsets, parent_key, best)
         finally:
             store.counters.add_ns("lookup_ns", time.perf_counter_ns() - t0)
-        return best
+        return self._chained(stored) or best
+
+    @staticmethod
+    def _chained(stored: list[WarmStart]) -> WarmStart | None:
+        """The stored candidate that reuses the most (ties to the cheaper route, first in `stored`), with the
+        others behind it as fallbacks, most first, one per row."""
+        ranked: dict[bytes | None, WarmStart] = {}
+        for c in sorted(stored, key=lambda c: -c.tokens):
+            ranked.setdefault(c.hit.row_key if c.hit else None, c)
+        chain = None
+        for c in reversed(ranked.values()):
+            chain = dataclasses.replace(c, fallback=chain)
+        return chain
 
     def _live_offer(self, seq: Sequence, tokens: list[int]) -> WarmStart:
         """What a live sequence offers: a cut of itself, else its snapshot; the prompt must share its tokens."""

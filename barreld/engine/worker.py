@@ -17,6 +17,7 @@ in the canonical chunks, one chunk per tick, so a request that arrives meanwhile
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -96,7 +97,8 @@ class ModelWorker:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
         turn_ends = self.turn_ends if params.messages or params.chat else ()
-        params = dataclasses.replace(params, prompt=self.render(params), messages=(), chat=False,
+        prompt, ends = self._rendered(params)
+        params = dataclasses.replace(params, prompt=prompt, messages=(), chat=False, message_ends=ends,
                                      sampling=self._tool_sampling(params), turn_ends=turn_ends)
         with self._cond:
             if self._stopping:
@@ -202,6 +204,9 @@ class ModelWorker:
         seq = self.starts.claim(plan, idle)
         t1 = time.perf_counter()
         kept = self.starts.apply(plan, seq, tokens)
+        while not kept and plan.fallback is not None:  # the row read did not hold the prompt's tokens
+            plan = plan.fallback
+            kept = self.starts.apply(plan, seq, tokens)
         req.timings.restore = time.perf_counter() - t1
         seq.request, req.seq, req.target = req, seq.id, tokens
         self._report(req, plan, len(tokens), kept)
@@ -209,6 +214,8 @@ class ModelWorker:
         seq.prompt_len = len(tokens)
         self.cache.count(req.cache.route.counter)
         req.cold_at = self.cache.cold_boundary(len(tokens), kept)
+        ends = [bisect.bisect_right(offsets, e) - 1 for e in req.params.message_ends]
+        req.boundaries = self.cache.boundary_points(len(tokens), kept, ends)
         req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
         if kept and req.snapshot_at == kept:
             self.starts.snapshot(seq)
@@ -259,6 +266,16 @@ class ModelWorker:
         be = self.backend
         template = p.chat_template or be.chat_template
         return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
+
+    def _rendered(self, p: CompletionParams) -> tuple[bytes, tuple[int, ...]]:
+        """`render`, and where the conversation's messages end when this model's cache snapshots its state
+        there (a memory that cannot be cut: see `ModelCache.boundary_points`)."""
+        if not p.messages or not self.cache.snapshots_boundaries:
+            return self.render(p), ()
+        be = self.backend
+        template = p.chat_template or be.chat_template
+        return chat.render_with_ends(template, p.messages, bos=be.bos_text, eos=be.eos_text, model=self.name,
+                                     tools=p.tools)
 
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
@@ -318,7 +335,7 @@ class ModelWorker:
         for t in req.target[len(seq.tokens) : end]:
             seq.append(t, self.backend.piece(t), prefilled=True)
         seq.frontier_logits = logits
-        if end == req.cold_at:
+        if end == req.cold_at or end in req.boundaries:
             self.cache.save_async(seq, SaveReason.COLD)
         if end == req.snapshot_at:
             self.starts.snapshot(seq)
