@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from barrelctl.client import Client  # noqa: E402
 from bench.harness import Daemon, Tokenizer, machine, median, progress  # noqa: E402
 from bench.report import Table, put_section  # noqa: E402
 from bench.traces import Agent, agent_system, chat_system, chat_user, chatml, reply_text  # noqa: E402
@@ -46,11 +47,11 @@ def daemon(block_tokens: int, tier: str = "disk") -> Daemon:
                   config=f"\n[cache]\nblock_tokens = {block_tokens}\n")
 
 
-def settle(d: Daemon) -> int:
+def settled_bytes(client: Client) -> int:
     """The disk tier's stored bytes once the daemon's async saves have landed (no change for 0.5 s)."""
     last, since = -1, time.monotonic()
     while time.monotonic() - since < 0.5:
-        stats = d.client.cache_stats(timeout=30)
+        stats = client.cache_stats(timeout=30)
         now = stats.tiers["disk"].bytes
         if now != last:
             last, since = now, time.monotonic()
@@ -101,7 +102,7 @@ def run_trace(name: str, prompts, configs: tuple[int, ...], tok: Tokenizer) -> d
         for b, d in zip(configs, with_daemons, strict=True):
             c = d.complete(prompt, max_tokens=24)
             reply = reply if reply is not None else reply_text(c.text)
-            out["stored"][str(b)].append(settle(d))
+            out["stored"][str(b)].append(settled_bytes(d.client))
         out["distinct"].append(trie.nodes)
         out["tokens"].append(c.prompt_tokens)
         progress(f"  {name} request {len(out['distinct']):2d}: {c.prompt_tokens} tokens, distinct {trie.nodes}, "

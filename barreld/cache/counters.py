@@ -20,9 +20,11 @@ COUNTER_NAMES: tuple[str, ...] = (
     "resume_waits",
     "reuse_refused",
     "settled_tokens",
+    "boundary_snapshots",
     "lookup_ns",
     "restore_ns",
     "save_ns",
+    "snapshot_ns",
 )
 
 

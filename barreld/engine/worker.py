@@ -59,6 +59,15 @@ DEFAULT_MAX_QUEUE = 64
 EXPLAIN_ROWS = 32  # stored rows an explained prompt is compared with, most recently used first
 
 
+def message_tokens(p: CompletionParams, rendered: bytes, offsets: list[int]) -> list[int]:
+    """How many of the prompt's tokens lie within each of its messages' ends; none when its tokens do not
+    render back to the prompt (its BOS's text aside)."""
+    shift = len(rendered) - len(p.prompt)
+    if not p.message_ends or shift < 0 or rendered[shift:] != p.prompt:
+        return []
+    return [bisect.bisect_right(offsets, shift + end) - 1 for end in p.message_ends]
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
@@ -214,8 +223,7 @@ class ModelWorker:
         seq.prompt_len = len(tokens)
         self.cache.count(req.cache.route.counter)
         req.cold_at = self.cache.cold_boundary(len(tokens), kept)
-        ends = [bisect.bisect_right(offsets, e) - 1 for e in req.params.message_ends]
-        req.boundaries = self.cache.boundary_points(len(tokens), kept, ends)
+        req.boundaries = self.cache.boundary_points(len(tokens), kept, message_tokens(req.params, rendered, offsets))
         req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
         if kept and req.snapshot_at == kept:
             self.starts.snapshot(seq)
@@ -335,7 +343,12 @@ class ModelWorker:
         for t in req.target[len(seq.tokens) : end]:
             seq.append(t, self.backend.piece(t), prefilled=True)
         seq.frontier_logits = logits
-        if end == req.cold_at or end in req.boundaries:
+        if end in req.boundaries:
+            t0 = time.perf_counter_ns()
+            self.cache.save_async(seq, SaveReason.COLD)
+            self.cache.count("boundary_snapshots")
+            self.cache.count("snapshot_ns", time.perf_counter_ns() - t0)
+        elif end == req.cold_at:
             self.cache.save_async(seq, SaveReason.COLD)
         if end == req.snapshot_at:
             self.starts.snapshot(seq)

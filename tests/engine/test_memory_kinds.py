@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from barreld.engine.chat import Message
 from barreld.names import MemoryKind
 from tests.fakes.backend import write_gguf
 
@@ -137,7 +138,8 @@ def test_a_restore_llama_cpp_does_not_account_for_is_prefilled_cold(
     later = engine.restarted()
     monkeypatch.setattr(later.backend(), "seq_pos_range", lambda seq: (1, 39))
     reply = later.run(a)
-    assert reply.route == "miss" and later.counter("reuse_refused") == 1
+    # the exact row is undone, then the next best (the cold capture at 32) likewise: each counted
+    assert reply.route == "miss" and later.counter("reuse_refused") == 2
     assert "prefilling instead" in caplog.text
     assert reply.text == first.text
 
@@ -152,3 +154,33 @@ def test_every_save_is_a_chunk_boundary_or_a_whole_prompt(engine: Engine, kind: 
         assert row["memory"] == str(KINDS[kind][0])
         assert row["frontier"] % CHUNK == 0 or row["frontier"] == 43
         assert row["frontier"] <= 43 < row["tokens"] or row["save_reason"] == "cold"
+
+
+TEMPLATE = "{% for m in messages %}{{ m.content }}#{% endfor %}{% if add_generation_prompt %}%{% endif %}"
+
+
+def test_a_conversation_that_shares_only_its_system_message_restores_after_a_restart(engine: Engine,
+                                                                                       kind: str) -> None:
+    """Agents' prompts part at message ends: a prefill passing one (at the chunk boundary below it) stores
+    the state there, so a memory that cannot be cut still restores the shared system message from the store."""
+    engine.registry.unload("m")
+    engine.load(swa_full=KINDS[kind][1], policy={"snapshot_gap_tokens": CHUNK})
+    system = Message("system", plain(16, 10).decode())  # BOS, 15 bytes and '#': its end is token 17
+    first = (system, Message("user", plain(31, 11).decode()))
+    assert engine.run(b"", messages=first, chat_template=TEMPLATE).route == "miss"
+    second = (system, Message("user", "&" + plain(20, 12).decode()))  # '&' is no byte of `first`'s user message
+    reply = engine.restarted().run(b"", messages=second, chat_template=TEMPLATE)
+    assert reply.route == "longest_prefix" and reply.started.cache.restored_tokens == 16
+    assert reply.text == engine.cold(b"", messages=second, chat_template=TEMPLATE).text
+    expected = 0 if KINDS[kind][0] is MemoryKind.FULL else 1  # a state that can be cut serves every prefix
+    assert engine.counter("boundary_snapshots") == expected
+
+
+@pytest.mark.parametrize("kind", ["recurrent"], indirect=True)
+def test_without_snapshots_a_shared_system_message_is_a_miss(engine: Engine, kind: str) -> None:
+    engine.registry.unload("m")
+    engine.load(policy={"snapshot_gap_tokens": "infinity"})
+    system = Message("system", plain(16, 10).decode())
+    engine.run(b"", messages=(system, Message("user", plain(31, 11).decode())), chat_template=TEMPLATE)
+    second = (system, Message("user", "&" + plain(20, 12).decode()))
+    assert engine.restarted().run(b"", messages=second, chat_template=TEMPLATE).route == "miss"
