@@ -143,16 +143,16 @@ class ModelCache:
         Points are chunk boundaries (a prefill passes them anyway, so the snapshot changes no batch and is
         byte for byte the state a cold prefill of that prefix writes) at or below the ends of messages (of a
         raw prompt: multiples of boundary_align_tokens), first ones first, each at least
-        snapshot_gap_tokens after the last state kept, and short of the prompt's own end snapshot."""
+        snapshot_gap_tokens after the last state kept and before the prompt's own end snapshot (which its
+        finish row stores)."""
         if not self.snapshots_boundaries:
             return frozenset()
-        chunk, align = self.memory.chunk, self.policy.boundary_align_tokens
+        chunk, align, gap = self.memory.chunk, self.policy.boundary_align_tokens, self.policy.snapshot_gap_tokens
         marks = message_ends or range(align, n_tokens, align)
-        last, end = kept, self.memory.snapshot_point(n_tokens, kept)
+        last, end = kept, self.memory.snapshot_point(n_tokens, kept) or INFINITY
         points = []
         for p in sorted({m // chunk * chunk for m in marks}):
-            if p - last >= self.policy.snapshot_gap_tokens and p < n_tokens and p != end \
-                    and self.memory.restorable(p) and self.policy.allows_save(p):
+            if p - last >= gap and end - p >= gap and self.memory.restorable(p) and self.policy.allows_save(p):
                 points.append(p)
                 last = p
         return frozenset(points)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from barreld.engine.chat import Message, messages_from, render
+from barreld.engine import chat
+from barreld.engine.chat import Message, messages_from, render, render_with_ends
 from barreld.errors import FailedPrecondition, InvalidArgument
 from tests.fakes.backend import CHAT_TEMPLATE, render_user_turn
 
@@ -24,6 +25,31 @@ def test_every_role_renders_in_order_and_ends_with_the_assistant_cue() -> None:
         b"<|system|>Be brief.<|end|>\n<|user|>Why is the sky blue?<|end|>\n"
         b"<|assistant|>Rayleigh scattering.<|end|>\n<|user|>And sunsets?<|end|>\n<|assistant|>"
     )
+
+
+def test_message_ends_are_where_each_message_renders_to_a_prefix_of_the_whole() -> None:
+    out, ends = render_with_ends(CHAT_TEMPLATE, CONVERSATION, bos="<s>", eos="</s>", model="m")
+    assert out == render(CHAT_TEMPLATE, CONVERSATION, bos="<s>", eos="</s>", model="m")
+    assert len(ends) == len(CONVERSATION) and ends[-1] < len(out)
+    assert all(out[:e].endswith(m.content.encode() + b"<|end|>\n") for e, m in zip(ends, CONVERSATION, strict=True))
+
+
+def test_a_template_that_renders_a_turn_by_what_follows_it_gives_only_the_ends_it_keeps() -> None:
+    # the last message is rendered otherwise than the ones before it: a cut there is no prefix of the whole
+    template = ("{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}{{ m.content }};"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    out, ends = render_with_ends(template, CONVERSATION[:3], bos="", eos="", model="m")
+    assert out == b"Be brief.;Why is the sky blue?;[Rayleigh scattering.]>" and ends == (len(out) - 1,)
+    refusing = "{% if messages[-1].role != 'user' %}{{ raise_exception('last must be user') }}{% endif %}" + template
+    out, ends = render_with_ends(refusing, CONVERSATION, bos="", eos="", model="m")
+    assert out.endswith(b"[And sunsets?]>") and ends == (len(out) - 1,)  # cut after a user turn only
+
+
+def test_a_long_conversation_looks_for_its_first_and_last_ends_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chat, "MESSAGE_ENDS_HEAD", 1)
+    monkeypatch.setattr(chat, "MESSAGE_ENDS_TAIL", 1)
+    out, ends = render_with_ends(CHAT_TEMPLATE, CONVERSATION, bos="<s>", eos="</s>", model="m")
+    assert len(ends) == 2 and out[: ends[0]].endswith(b"brief.<|end|>\n") and out[: ends[1]].endswith(b"sets?<|end|>\n")
 
 
 def test_openai_shaped_dicts_become_messages_and_other_keys_are_ignored() -> None:

@@ -8,6 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from barreld.engine.memory import Memory, memory_kind
+from barreld.engine.model_cache import ModelCache
+from barreld.engine.policy import Policy
 from barreld.names import MemoryKind
 
 FULL = Memory(MemoryKind.FULL, chunk=64)
@@ -151,3 +153,25 @@ def test_every_restore_point_is_one_the_cold_prefill_also_reaches(
     assert 0 <= k <= min(length, matched, n)
     assert k % memory.chunk == 0 or (k == n == length and logits)
     assert k == 0 or memory.cuts_states or k == length
+
+
+def boundary_cache(memory: Memory, gap: int | str = 8, align: int = 16) -> ModelCache:
+    policy = Policy(min_tokens=8, boundary_align_tokens=align, snapshot_gap_tokens=gap)
+    return ModelCache(object(), None, "m", "disk", policy, lambda seq: bytearray(), memory=memory)  # type: ignore[arg-type]
+
+
+def test_boundary_snapshots_land_on_chunk_boundaries_below_message_ends_spaced_by_the_gap() -> None:
+    recurrent = Memory(MemoryKind.RECURRENT, chunk=8, grain=1)
+    cache = boundary_cache(recurrent)
+    # message ends at 13, 19, 21, 37 and the prompt's own end (snapshotted anyway at 50, its last token)
+    assert cache.boundary_points(50, 0, [13, 19, 21, 37, 49]) == {8, 16, 32}
+    assert cache.boundary_points(50, 16, [13, 19, 21, 37]) == {32}  # nothing at or below what was restored
+    assert boundary_cache(recurrent, gap=16).boundary_points(50, 0, [13, 19, 21, 37]) == {16, 32}
+    assert boundary_cache(recurrent).boundary_points(50, 0, []) == {16, 32}  # a raw prompt: the alignment
+    assert boundary_cache(recurrent, gap="infinity").boundary_points(50, 0, [13, 37]) == frozenset()
+    assert boundary_cache(Memory(MemoryKind.FULL, chunk=8)).boundary_points(50, 0, [13, 37]) == frozenset()
+    ring = Memory(MemoryKind.SWA, window=24, chunk=8)  # without swa_full a state past the window is not restorable
+    assert boundary_cache(ring).boundary_points(50, 0, [13, 37]) == {8}
+    # prefix lookups walk every chunk boundary where snapshots may lie, the alignment otherwise
+    assert cache.prefix_points(40) == [32, 24, 16, 8]
+    assert boundary_cache(recurrent, gap="infinity").prefix_points(40) == [32, 16]
