@@ -116,6 +116,8 @@ class _Probe:
             raise ValueError(f"no room for a probe of {self.length} tokens in chunks of {c}")
         text = backend.tokenize(PROBE_TEXT)
         self.tokens = (text * (self.length // max(1, len(text)) + 1))[: self.length]
+        self.head = b""  # the state of the first chunk, put back before each try
+        self.last_rows = 0  # rows in the last batch decoded
 
     def run(self) -> tuple[int, bool]:
         c = self.memory.chunk
@@ -123,7 +125,7 @@ class _Probe:
         ref = bytes(self.be.state_get(PROBE_SEQ))
         self._clear()
         self._prefill(0, c)
-        self.head = bytes(self.be.state_get(PROBE_SEQ))  # the first chunk, put back before each try
+        self.head = bytes(self.be.state_get(PROBE_SEQ))
         for grain in (g for g in GRAINS if c % g == 0 and 4 * g <= c):
             k = c + (c // 2 // grain | 1) * grain  # an odd multiple of the grain, inside the second chunk
             if self._warm(k, grain) == (ref, ref_logits.tobytes()):

@@ -487,18 +487,19 @@ class ModelWorker:
             return None
         return max(0.0, self._idle_at + self.cache.policy.settle_after_ms / 1000.0 - time.monotonic())
 
-    def _unsettled(self) -> Sequence | None:
-        seq = next((s for s in self.seqs if self._settle_point(s)), None)
-        self.settling = seq is not None
-        return seq
+    def _unsettled(self) -> tuple[Sequence, int] | None:
+        """An idle sequence with text to settle, and where its settling starts."""
+        found = next(((s, k) for s in self.seqs if (k := self._settle_point(s))), None)
+        self.settling = found is not None
+        return found
 
     def _settle_chunk(self) -> None:
         """Prefills the next canonical chunk of an idle sequence's unsettled text, first putting it back to
         where settling starts (a cut, or for a memory that cannot be cut its snapshot)."""
-        seq = self._unsettled()
-        if seq is None:
+        found = self._unsettled()
+        if found is None:
             return
-        k = self._settle_point(seq)
+        seq, k = found
         if k < seq.frontier or self.backend.seq_pos_range(seq.id)[1] != seq.frontier - 1:
             self.cache.save_before_cut(seq, k)
             if self.cache.memory.cuts_live:

@@ -225,13 +225,14 @@ def test_a_failed_decode_fails_the_running_requests_and_the_model_goes_on(engine
     assert engine.run(a).text == engine.cold(a).text
 
 
-def test_a_refused_restore_falls_back_to_a_prefill(engine: Engine) -> None:
+def test_a_refused_restore_falls_back_to_the_next_row_and_a_prefill(engine: Engine) -> None:
     a = plain(40, 22)
     engine.run(a)
     later = engine.restarted()
-    later.backend().fail_next("state_set")
+    later.backend().fail_next("state_set")  # the finish row, found under the prompt's key
     reply = later.run(a)
-    assert reply.route == "miss" and reply.text == engine.cold(a).text
+    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 32)  # the cold capture
+    assert reply.text == engine.cold(a).text
 
 
 def test_a_corrupt_checkpoint_is_dropped_and_the_prompt_prefilled(engine: Engine) -> None:
