@@ -143,8 +143,9 @@ class ModelCache:
         Points are chunk boundaries (a prefill passes them anyway, so the snapshot changes no batch and is
         byte for byte the state a cold prefill of that prefix writes) at or below the ends of messages (of a
         raw prompt: multiples of boundary_align_tokens), first ones first, each at least
-        snapshot_gap_tokens after the last state kept and before the prompt's own end snapshot (which its
-        finish row stores)."""
+        snapshot_gap_tokens after the last state kept, and a chunk or more before the prompt's own end
+        snapshot (which its finish row stores). They replace the cold save, which for such a memory would
+        serve only prompts that part exactly at an aligned boundary near the prompt's end."""
         if not self.snapshots_boundaries:
             return frozenset()
         chunk, align, gap = self.memory.chunk, self.policy.boundary_align_tokens, self.policy.snapshot_gap_tokens
@@ -152,7 +153,7 @@ class ModelCache:
         last, end = kept, self.memory.snapshot_point(n_tokens, kept) or INFINITY
         points = []
         for p in sorted({m // chunk * chunk for m in marks}):
-            if p - last >= gap and end - p >= gap and self.memory.restorable(p) and self.policy.allows_save(p):
+            if p - last >= gap and end - p >= chunk and self.memory.restorable(p) and self.policy.allows_save(p):
                 points.append(p)
                 last = p
         return frozenset(points)
@@ -172,6 +173,8 @@ class ModelCache:
         policy's boundary, moved down to a chunk boundary so the capture does not change the prefill's split."""
         if self.store is None:
             return None
+        if self.snapshots_boundaries:
+            return None  # the boundary snapshots take its place (`boundary_points`)
         b = self.policy.cold_save_length(n_tokens)
         b = None if b is None else b // self.memory.chunk * self.memory.chunk
         return b if b is not None and b > kept and self.policy.allows_save(b) else None

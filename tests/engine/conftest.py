@@ -35,6 +35,7 @@ POLICY = Policy(
     evict_save_timeout_ms=5000,
     prefill_chunk_size=8,
     settle_tokens=0,  # settling races the next request: the tests that are about it turn it on
+    snapshot_gap_tokens=16,
 )
 CHUNK = 8
 OPTIONS = {"n_ctx": 256, "n_batch": 64}
