@@ -1,6 +1,6 @@
 """The agent trace on one model of each memory kind, warm against cold, with the reuse rules in force.
 
-    python -m bench.memory_kinds [--agents 2] [--steps quick|full] [--results bench/RESULTS.md]
+    python -m bench.memory_kinds [--agents 2] [--steps quick|full] [--rounds 5] [--results bench/RESULTS.md]
 
 Writes (or replaces) the section "Memory kinds" of RESULTS.md, leaving the rest as it is.
 
@@ -18,9 +18,10 @@ socket. Stored bytes are the disk tier's once the trace's saves have landed, per
 nodes of the trie of every prompt's token ids), against one state per token: the bytes of the state llama.cpp
 writes for a prompt of one token (one cell in every attention layer, and a whole recurrent state), which is
 what keeping a state at every token would take at the least. Snapshot cost: the model thread's time taking
-boundary snapshots (`snapshot_ns`) over the warm daemon's prefill time, and the prefill time of the warm
-daemon's misses (cold prefills that take snapshots and cold saves) over the cold daemon's prefill of the same
-prompts (no saves at all). Models: SmolLM2-135M Q4_1 (full attention), Gemma 3 270M Q4_K_M (sliding window
+boundary snapshots (`snapshot_ns`) over the warm daemon's prefill time; and, on fresh daemons, the median
+daemon-side prefill time of an agent's first prompt (a new head each round, so each is a miss that takes a
+snapshot at the end of the system prompt) with boundary snapshots, against a daemon that saves nothing,
+in alternation (--rounds, 5). Models: SmolLM2-135M Q4_1 (full attention), Gemma 3 270M Q4_K_M (sliding window
 512; swa_full on, the default, and off), and the tests' tiny random-weight Mamba (recurrent) and LFM2
 (hybrid). All use n_ctx 4096, n_batch 512 (prefill chunk 128) and one thread.
 """
@@ -72,6 +73,9 @@ class Trace:
     pairs: list[Pair] = field(default_factory=list)
     refused: int = 0
     restart_at: int = 0  # the first request after the restart
+    prefill_with: float = 0.0  # overhead(): median prefill ms of a miss with boundary snapshots
+    prefill_without: float = 0.0  # and on a daemon that saves nothing
+    overhead_snapshots: int = 0
     snapshots: int = 0
     snapshot_ms: float = 0.0
     stored: int = 0  # disk tier bytes after the trace
@@ -81,9 +85,8 @@ class Trace:
     def stored_ratio(self) -> float:
         return self.stored / self.distinct / self.state_per_token
 
-    def prefill_ms(self, side: str, misses_only: bool = False) -> float:
-        return sum(getattr(p, side).timings_ms["prefill"] for p in self.pairs
-                   if not misses_only or p.warm.route == "miss")
+    def prefill_ms(self) -> float:
+        return sum(p.warm.timings_ms["prefill"] for p in self.pairs)
 
     def reuse(self) -> float:
         return sum(p.warm.restored for p in self.pairs) / sum(p.warm.prompt_tokens for p in self.pairs)
@@ -153,6 +156,28 @@ def run(name: str, tok: Tokenizer, agents: int, steps: tuple[str, ...]) -> Trace
     return trace
 
 
+def overhead(name: str, tok: Tokenizer, rounds: int) -> tuple[float, float, int]:
+    """Median daemon-side prefill time of an agent's first prompt (a system prompt and a task: a miss),
+    on a daemon that takes boundary snapshots and on one that saves nothing, in alternation; and the
+    snapshots taken."""
+    with_snapshots, without = daemon(WARM, name), daemon(COLD, name)
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    try:
+        for i in range(rounds):
+            agent = Agent("A", tok, f"Session {i}. " + agent_system(tok))  # each round a new head: a miss
+            agent.step("start")
+            for side, box in (("with", with_snapshots), ("without", without))[:: 1 if i % 2 else -1]:
+                c = ask(box, name, agent.history)
+                assert c.route == "miss", c.route
+                times[side].append(c.timings_ms["prefill"])
+        with with_snapshots.client() as c:
+            taken = c.cache_stats().counters["boundary_snapshots"]
+    finally:
+        with_snapshots.close()
+        without.close()
+    return median(times["with"]), median(times["without"]), taken
+
+
 class ModelFacts:
     """The model's own tokenizer and the bytes of its one-token state, read in this process."""
 
@@ -212,10 +237,11 @@ def storage(traces: dict[str, Trace]) -> Table:
     t = Table(
         "Stored bytes per distinct prompt token, and what the boundary snapshots cost",
         ["model", "distinct tokens", "stored (disk)", "per distinct token", "one state per token", "x one state",
-         "snapshots", "snapshot time / prefill time", "miss prefill, warm / cold daemon"],
+         "snapshots", "snapshot time / prefill time", "miss prefill with snapshots / saving nothing"],
     )
     for name, tr in traces.items():
-        warm_miss, cold_miss = tr.prefill_ms("warm", True), tr.prefill_ms("cold", True)
+        ab = (f"{tr.prefill_with / tr.prefill_without:.3f} ({ms(tr.prefill_with)} / {ms(tr.prefill_without)}, "
+              f"{tr.overhead_snapshots} snapshots)" if tr.prefill_without else "-")
         t.add(
             name,
             tr.distinct,
@@ -224,8 +250,8 @@ def storage(traces: dict[str, Trace]) -> Table:
             f"{tr.state_per_token / 1e3:.1f} KB",
             f"{tr.stored_ratio():.2f}",
             tr.snapshots,
-            f"{100 * tr.snapshot_ms / tr.prefill_ms('warm'):.2f}%" if tr.prefill_ms("warm") else "-",
-            f"{warm_miss / cold_miss:.3f}" if cold_miss else "-",
+            f"{100 * tr.snapshot_ms / tr.prefill_ms():.2f}%" if tr.prefill_ms() else "-",
+            ab,
         )
     return t
 
@@ -252,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=2)
     p.add_argument("--steps", choices=("quick", "full"), default="quick")
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the snapshot cost's A/B (0: none)")
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "RESULTS.md")
     args = p.parse_args(argv)
     steps = QUICK_STEPS if args.steps == "quick" else FULL_STEPS
@@ -260,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         progress(f"{name}: the agent trace on a warm and a cold daemon")
         traces[name] = run(name, tok, args.agents, steps)
+        if MODELS[name][0] != "full" and args.rounds:
+            progress(f"{name}: a cold prefill with boundary snapshots and with no saves, {args.rounds} rounds")
+            tr = traces[name]
+            tr.prefill_with, tr.prefill_without, tr.overhead_snapshots = overhead(name, tok, args.rounds)
     put_section(args.results, SECTION, section(traces, m, argv, time.monotonic() - t0, args.agents, steps))
     from rich.console import Console
 

@@ -268,22 +268,19 @@ class ModelWorker:
 
     def render(self, p: CompletionParams) -> bytes:
         """The raw prompt, or the conversation rendered through the chat template; on the caller's thread."""
-        messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
-        if not messages:
-            return p.prompt
-        be = self.backend
-        template = p.chat_template or be.chat_template
-        return chat.render(template, messages, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
+        return self._rendered(p, ends=False)[0]
 
-    def _rendered(self, p: CompletionParams) -> tuple[bytes, tuple[int, ...]]:
+    def _rendered(self, p: CompletionParams, ends: bool = True) -> tuple[bytes, tuple[int, ...]]:
         """`render`, and where the conversation's messages end when this model's cache snapshots its state
         there (a memory that cannot be cut: see `ModelCache.boundary_points`)."""
-        if not p.messages or not self.cache.snapshots_boundaries:
-            return self.render(p), ()
+        messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
+        if not messages:
+            return p.prompt, ()
         be = self.backend
-        template = p.chat_template or be.chat_template
-        return chat.render_with_ends(template, p.messages, bos=be.bos_text, eos=be.eos_text, model=self.name,
-                                     tools=p.tools)
+        with_ends = ends and bool(p.messages) and self.cache.snapshots_boundaries
+        renderer = chat.render_with_ends if with_ends else lambda *a, **kw: (chat.render(*a, **kw), ())
+        return renderer(p.chat_template or be.chat_template, messages, bos=be.bos_text, eos=be.eos_text,
+                        model=self.name, tools=p.tools)
 
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
