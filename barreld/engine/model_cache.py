@@ -291,4 +291,7 @@ class ModelCache:
         if 0 < seq.prompt_len < len(seq.tokens):
             points.add(seq.prompt_len)
         points = {b for b in points if self.memory.indexed_at(b, frontier)}
-        return [(self.key(rendered[: seq.offsets[b]]), b) for b in sorted(points)]
+        if not self.memory.cuts_states and self.snapshots_boundaries:
+            # where the lookup's walk of chunk boundaries meets it: it then checks the prompt holds the rest
+            points.add(frontier // self.memory.chunk * self.memory.chunk)
+        return [(self.key(rendered[: seq.offsets[b]]), b) for b in sorted(points - {0})]

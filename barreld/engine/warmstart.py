@@ -187,10 +187,19 @@ class WarmStarts:
                 break
             store.counters.count("longest_prefix_probes")
             hit = store.lookup(self.cache.key(rendered[: offsets[b]]))
+            if hit is not None and not self.memory.cuts_states and hit.n_tokens < hit.frontier < n:
+                hit = self._at_frontier(hit, rendered, offsets)
             candidate = None if hit is None else self._stored(Route.LONGEST_PREFIX, hit, n)
             if candidate is not None and (best is None or candidate.tokens > best.tokens):
                 best = candidate
         return best
+
+    def _at_frontier(self, hit: Hit, rendered: bytes, offsets: list[int]) -> Hit | None:
+        """A state that cannot be cut, found under a probe point below its frontier (the walk's chunk boundary
+        below it), serves the prompt only if the prompt holds its text up to the frontier: the prompt's own
+        prefix there must lead to the same row (every row is indexed at its frontier)."""
+        there = self.cache.store.lookup(self.cache.key(rendered[: offsets[hit.frontier]]))
+        return there if there is not None and there.row_key == hit.row_key else None
 
     def _remote(
         self, n: int, rendered: bytes, offsets: list[int], parent_key: bytes | None, best: WarmStart

@@ -111,6 +111,7 @@ class Engine:
         self.root = root
         self.store = store
         self.model_file = model_file or write_gguf(root / "fake.gguf")
+        self.reuse_probe = reuse_probe
         self.registry = ModelRegistry(store, POLICY, max_queue=max_queue, backend_factory=FakeBackend,
                                       reuse_probe=reuse_probe)
         self.options: dict[str, dict] = {}
@@ -153,7 +154,7 @@ class Engine:
         assert isinstance(self.store, WatchedStore)
         if settle:
             self.store.settle()
-        other = Engine(self.root, self.store, model_file=self.model_file)
+        other = Engine(self.root, self.store, model_file=self.model_file, reuse_probe=self.reuse_probe)
         self.restarts.append(other)
         for name, opts in self.options.items():
             other.load(name, **opts)

@@ -107,3 +107,23 @@ def test_a_bulk_extend_equals_appending_one_by_one() -> None:
     bulk.extend_prefilled([1, 2, 3], [b"c", b"", b"def"])
     assert (bulk.tokens, bulk.offsets, bytes(bulk.rendered), bulk.frontier) == (
         one.tokens, one.offsets, bytes(one.rendered), one.frontier)
+
+
+def test_a_recurrent_state_stored_off_the_chunks_is_found_by_a_longer_prompt(tmp_path: Path, store: WatchedStore
+                                                                            ) -> None:
+    """At grain 1 a recurrent model keeps its prompt's state at the prompt's end (37 tokens, between the
+    chunk boundaries that a longest-prefix walk probes): the walk meets the row under 32 and confirms the
+    prompt holds the rest, so a longer prompt restores all 37 after a restart, not the snapshot at 16."""
+    model = write_gguf(tmp_path / "recurrent.gguf", memory=MemoryKind.RECURRENT)
+    e = Engine(tmp_path, store, model_file=model, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    assert e.load().memory.grain == 1
+    a = plain(37, 4)
+    e.run(a)
+    prompt = a + b"&" + plain(20, 5)[1:]
+    reply = e.restarted().run(prompt)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 37)
+    assert reply.text == e.cold(prompt).text
+    other = e.restarted().run(a[:-2] + b"&&" + plain(20, 6)[1:])  # leaves it at 35: only the snapshot at 16
+    assert (other.route, other.started.cache.restored_tokens) == ("longest_prefix", 16)
+    assert e.counter("reuse_refused") == 0
+    e.close()
