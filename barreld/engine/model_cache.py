@@ -25,7 +25,7 @@ import numpy as np
 from barreld.cache import statecut, stateformat
 from barreld.engine.backend import Backend, BatchItem
 from barreld.engine.memory import Memory
-from barreld.engine.policy import INFINITY, Policy
+from barreld.engine.policy import AUTO, INFINITY, Policy
 from barreld.engine.sequence import Sequence
 from barreld.names import MemoryKind, SaveReason
 
@@ -133,8 +133,16 @@ class ModelCache:
     @property
     def snapshots_boundaries(self) -> bool:
         """Whether prefills store snapshots at message ends (`boundary_points`)."""
+        return self.store is not None and not self.memory.cuts_states and self.snapshot_gap != INFINITY
+
+    @property
+    def snapshot_gap(self) -> int | float:
+        """The fewest tokens between two boundary snapshots of a prompt (policy snapshot_gap_tokens; "auto": half
+        a sliding window, whose cells each snapshot holds, or a chunk for a recurrent state), a chunk at least."""
         gap = self.policy.snapshot_gap_tokens
-        return self.store is not None and not self.memory.cuts_states and gap != INFINITY
+        if gap == AUTO:
+            gap = self.memory.window // 2
+        return max(gap, self.memory.chunk)
 
     def boundary_points(self, n_tokens: int, kept: int, message_ends: list[int]) -> frozenset[int]:
         """Where a prefill of n_tokens from `kept` stores a snapshot as its own row, for a memory that cannot
@@ -143,17 +151,20 @@ class ModelCache:
         Points are chunk boundaries (a prefill passes them anyway, so the snapshot changes no batch and is
         byte for byte the state a cold prefill of that prefix writes) at or below the ends of messages (of a
         raw prompt: multiples of boundary_align_tokens), first ones first, each at least
-        snapshot_gap_tokens after the last state kept, and a chunk or more before the prompt's own end
-        snapshot (which its finish row stores). They replace the cold save, which for such a memory would
-        serve only prompts that part exactly at an aligned boundary near the prompt's end."""
+        `snapshot_gap` after the last state kept, and short of the prompt's own end snapshot (which its finish
+        row stores). In the prompt's last chunk a snapshot saves a later prompt less than a chunk of prefill:
+        it is taken only where snapshots are cheap (a gap of one chunk: a recurrent state, not a window's
+        cells). They replace the cold save, which for such a memory would serve only prompts that part
+        exactly at an aligned boundary near the prompt's end."""
         if not self.snapshots_boundaries:
             return frozenset()
-        chunk, align, gap = self.memory.chunk, self.policy.boundary_align_tokens, self.policy.snapshot_gap_tokens
+        chunk, align, gap = self.memory.chunk, self.policy.boundary_align_tokens, self.snapshot_gap
         marks = message_ends or range(align, n_tokens, align)
         last, end = kept, self.memory.snapshot_point(n_tokens, kept) or INFINITY
         points = []
         for p in sorted({m // chunk * chunk for m in marks}):
-            if p - last >= gap and end - p >= chunk and self.memory.restorable(p) and self.policy.allows_save(p):
+            spaced = p - last >= gap and p < end and (end - p >= chunk or gap <= chunk)
+            if spaced and self.memory.restorable(p) and self.policy.allows_save(p):
                 points.append(p)
                 last = p
         return frozenset(points)

@@ -69,11 +69,12 @@ class Policy:
     settle_after_ms: int = _gate(200, 0)
     """How long a model stays idle after a reply before settling starts: a request that comes sooner (an
     agent's next call) finds the model free, not in the middle of a chunk."""
-    snapshot_gap_tokens: int | float = _gate(256, 1, infinity=True)
+    snapshot_gap_tokens: int | float | Literal["auto"] = _gate(AUTO, 1, infinity=True, auto=True)
     """A model whose states cannot be cut (sliding window, recurrent, hybrid) stores its state as its own row
     where a prefill passes the end of a message (of a raw prompt: a multiple of boundary_align_tokens), at
     least this many tokens after the last one, so a later prompt that shares only that far restores it;
-    infinity for none."""
+    infinity for none. "auto": half the sliding window (a snapshot holds the window's cells), the chunk size
+    for a recurrent state (of a fixed size)."""
     reuse_grain: int | Literal["auto"] = _gate(AUTO, 1, auto=True)
     """Reuse points are multiples of it: "auto" is the finest grain the load's probe proves exact; a number
     is a floor (a grain at least the chunk size keeps reuse at chunk boundaries and skips the probe)."""

@@ -163,11 +163,14 @@ def boundary_cache(memory: Memory, gap: int | str = 8, align: int = 16) -> Model
 def test_boundary_snapshots_land_on_chunk_boundaries_below_message_ends_spaced_by_the_gap() -> None:
     recurrent = Memory(MemoryKind.RECURRENT, chunk=8, grain=1)
     cache = boundary_cache(recurrent)
-    # message ends at 13, 19, 21, 37 and the prompt's own end (snapshotted anyway at 50, its last token)
-    assert cache.boundary_points(50, 0, [13, 19, 21, 37, 49]) == {8, 16, 32}
+    # message ends at 13, 19, 21, 37, 49; the prompt's own end is snapshotted anyway (at 50, its last token)
+    assert cache.boundary_points(50, 0, [13, 19, 21, 37, 49]) == {8, 16, 32, 48}
     assert cache.boundary_points(50, 16, [13, 19, 21, 37]) == {32}  # nothing at or below what was restored
-    assert boundary_cache(recurrent, gap=16).boundary_points(50, 0, [13, 19, 21, 37]) == {16, 32}
-    assert boundary_cache(recurrent).boundary_points(50, 0, []) == {16, 32}  # a raw prompt: the alignment
+    # snapshots a gap of two chunks apart are dear: none in the prompt's last chunk
+    assert boundary_cache(recurrent, gap=16).boundary_points(50, 0, [13, 19, 21, 37, 49]) == {16, 32}
+    assert boundary_cache(recurrent).boundary_points(50, 0, []) == {16, 32, 48}  # a raw prompt: the alignment
+    assert boundary_cache(recurrent, gap="auto").snapshot_gap == 8  # a recurrent state: a chunk
+    assert boundary_cache(Memory(MemoryKind.SWA, window=24, chunk=4), gap="auto").snapshot_gap == 12
     assert boundary_cache(recurrent, gap="infinity").boundary_points(50, 0, [13, 37]) == frozenset()
     assert boundary_cache(Memory(MemoryKind.FULL, chunk=8)).boundary_points(50, 0, [13, 37]) == frozenset()
     ring = Memory(MemoryKind.SWA, window=24, chunk=8)  # without swa_full a state past the window is not restorable

@@ -20,7 +20,7 @@ GUIDE_DEFAULTS = {
     "evict_save_timeout_ms": 30000,
     "settle_tokens": "infinity",  # settle every reply while idle; reuse at the finest grain proven exact
     "settle_after_ms": 200,
-    "snapshot_gap_tokens": 256,
+    "snapshot_gap_tokens": "auto",
     "reuse_grain": "auto",
 }
 
