@@ -1,6 +1,6 @@
 """The agent trace on one model of each memory kind, warm against cold, with the reuse rules in force.
 
-    python -m bench.memory_kinds [--agents 2] [--steps quick|full] [--rounds 5] [--results bench/RESULTS.md]
+    python -m bench.memory_kinds [--agents 2] [--steps quick|full] [--rounds 9] [--results bench/RESULTS.md]
 
 Writes (or replaces) the section "Memory kinds" of RESULTS.md, leaving the rest as it is.
 
@@ -21,7 +21,7 @@ what keeping a state at every token would take at the least. Snapshot cost: the 
 boundary snapshots (`snapshot_ns`) over the warm daemon's prefill time; and, on fresh daemons, the median
 daemon-side prefill time of an agent's first prompt (a new head each round, so each is a miss that takes a
 snapshot at the end of the system prompt) with boundary snapshots, against a daemon that saves nothing,
-in alternation (--rounds, 5). Models: SmolLM2-135M Q4_1 (full attention), Gemma 3 270M Q4_K_M (sliding window
+in alternation (--rounds, 9). Models: SmolLM2-135M Q4_1 (full attention), Gemma 3 270M Q4_K_M (sliding window
 512; swa_full on, the default, and off), and the tests' tiny random-weight Mamba (recurrent) and LFM2
 (hybrid). All use n_ctx 4096, n_batch 512 (prefill chunk 128) and one thread.
 """
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=2)
     p.add_argument("--steps", choices=("quick", "full"), default="quick")
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--rounds", type=int, default=5, help="rounds of the snapshot cost's A/B (0: none)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds of the snapshot cost's A/B (0: none)")
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "RESULTS.md")
     args = p.parse_args(argv)
     steps = QUICK_STEPS if args.steps == "quick" else FULL_STEPS
