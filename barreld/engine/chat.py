@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from barreld.engine.tools import GENERIC, ToolCall, ToolSpec, generic_description, knows_tools, template_tools
 from barreld.errors import FailedPrecondition, InvalidArgument
@@ -119,19 +120,14 @@ def render(
 
 
 def render_with_ends(
-    template: str | None,
-    messages: tuple[Message, ...],
-    *,
-    bos: str,
-    eos: str,
-    model: str,
-    tools: ToolSpec | None = None,
+    template: str | None, messages: tuple[Message, ...], **options: Any
 ) -> tuple[bytes, tuple[int, ...]]:
-    """`render`, and the byte offsets where the rendered messages end (where agents' prompts part: after the
-    system prompt and tools, after each turn). A message's end is where the conversation cut after it renders
-    to a prefix of the whole; templates that render earlier turns by what follows them give fewer ends. A long
-    conversation gives the first and the last ends only, so the cost stays bounded."""
-    renderer = _Renderer(template, messages, bos=bos, eos=eos, model=model, tools=tools)
+    """`render` (with its keyword arguments), and the byte offsets where the rendered messages end (where
+    agents' prompts part: after the system prompt and tools, after each turn). A message's end is where the
+    conversation cut after it renders to a prefix of the whole; templates that render earlier turns by what
+    follows them give fewer ends. A long conversation gives the first and the last ends only, so the cost
+    stays bounded."""
+    renderer = _Renderer(template, messages, **options)
     text = renderer.whole()
     ends = []
     for n in _ends_tried(len(renderer.messages)):
@@ -161,7 +157,7 @@ class _Renderer:
     first n messages without the cue."""
 
     def __init__(self, template: str | None, messages: tuple[Message, ...], *, bos: str, eos: str, model: str,
-                 tools: ToolSpec | None) -> None:
+                 tools: ToolSpec | None = None) -> None:
         if not template:
             raise FailedPrecondition(
                 f"model {model} has no chat template; send a plain prompt, or give a template with the request"

@@ -100,12 +100,15 @@ def test_longest_prefix_finds_the_cold_capture(engine: Engine, kind: str) -> Non
 
 def test_a_prompt_that_leaves_turn_one_midway(engine: Engine, kind: str) -> None:
     """It shares 20 tokens: full attention and a sliding window cut the live sequence back to 16; a
-    recurrent state exists only at its own length, so it is refused and counted."""
+    recurrent state exists only at its own length, so it is refused and counted, and the snapshot the
+    prefill stored at 16 serves."""
     a, _ = finished(engine, 40, 5)
+    engine.rows()  # every save published: the snapshot at 16 is there to serve
     prompt = a[:19] + plain(20, 98)[1:]
     reply = engine.run(prompt)
     if KINDS[kind][0] in (MemoryKind.RECURRENT, MemoryKind.HYBRID):
-        assert reply.route == "miss" and engine.counter("reuse_refused") >= 1
+        assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 16)
+        assert engine.counter("reuse_refused") >= 1
     else:
         assert (reply.route, reply.started.cache.restored_tokens) == ("live", 16)
     assert reply.text == engine.cold(prompt).text
@@ -124,9 +127,11 @@ def test_a_short_prompt_is_reused_on_every_kind(engine: Engine, kind: str) -> No
 def test_a_wrapped_ring_is_never_cut(engine: Engine, kind: str) -> None:
     """Past WINDOW + n_batch cells the ring wraps: cells lie in another order than a fresh run's."""
     a, first = finished(engine, 100, 7)
+    assert [r["frontier"] for r in engine.rows()] == [16]  # all saved: a snapshot within the window, no more
     prompt = a + first.text + b"#next"
-    reply = engine.run(prompt)
-    assert reply.route == "miss" and engine.counter("reuse_refused") == 1
+    reply = engine.run(prompt)  # the live sequence is refused, and counted; the snapshot serves
+    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 16)
+    assert engine.counter("reuse_refused") == 1
     assert reply.text == engine.cold(prompt).text
 
 
