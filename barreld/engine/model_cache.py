@@ -209,6 +209,25 @@ class ModelCache:
                 saved += self._save(seq, reason, sync=True, deadline=deadline)
         return saved
 
+    def boundary_snapshot(self, seq: Sequence) -> Callable[[], object] | None:
+        """The save of a boundary snapshot (`boundary_points`): its state is read now, and calling the result
+        queues it, which the worker does once the prompt is in, so that the writer's work on it (blocks,
+        hashes, files, the commit) does not run beside the prefill. A side row: the sequence's own checkpoint
+        (`stored_key`, `origin`) is left as it is."""
+        if self.store is None:
+            return None
+        if self.drop_async_saves:
+            self.store.counters.count("saves_dropped")
+            return None
+        payload = self.payload(seq)
+        if payload is None or not self.policy.allows_save(payload.frontier):
+            return None
+        rendered = bytes(seq.rendered)
+        ckpt = self._checkpoint(seq, self.key(rendered), rendered, SaveReason.COLD, payload)
+        prefixes = self._prefixes(seq, rendered, payload.frontier)
+        store, tier = self.store, self.tier
+        return lambda: store.save(ckpt, tier, prefixes, sync=False)
+
     def save_before_cut(self, seq: Sequence, k: int) -> None:
         """Saves the sequence (reason `evict`) when cutting it to k tokens would lose what a save of it
         stores: the part about to be dropped may be stored nowhere else."""

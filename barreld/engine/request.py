@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -137,6 +138,7 @@ class Request:
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
     boundaries: frozenset[int] = frozenset()  # prompt lengths at which to store a snapshot as its own row
+    snapshot_saves: list[Callable[[], object]] = field(default_factory=list)  # read, queued once the prefill ends
     snapshot_at: int = 0  # prompt length at which to copy the state of a memory that cannot be cut (0: none)
     prefill_started: float = 0.0
     first_token_at: float | None = None

@@ -342,8 +342,10 @@ class ModelWorker:
         seq.frontier_logits = logits
         if end in req.boundaries:
             t0 = time.perf_counter_ns()
-            self.cache.save_async(seq, SaveReason.COLD)
-            self.cache.count("boundary_snapshots")
+            save = self.cache.boundary_snapshot(seq)
+            if save is not None:
+                req.snapshot_saves.append(save)
+                self.cache.count("boundary_snapshots")
             self.cache.count("snapshot_ns", time.perf_counter_ns() - t0)
         elif end == req.cold_at:
             self.cache.save_async(seq, SaveReason.COLD)
@@ -352,6 +354,14 @@ class ModelWorker:
         if end == len(req.target):
             req.timings.prefill = time.perf_counter() - req.prefill_started
             self._take(req, logits)
+            self._queue_snapshots(req)
+
+    @staticmethod
+    def _queue_snapshots(req: Request) -> None:
+        """The boundary snapshots read during the prefill go to the writers now that it is over."""
+        for save in req.snapshot_saves:
+            save()
+        req.snapshot_saves.clear()
 
     def _sampled(self, req: Request, logits: np.ndarray) -> None:
         """The pending token is in KV now; a continued checkpoint if due, then the next token."""
@@ -529,6 +539,7 @@ class ModelWorker:
         self._release(req)
 
     def _release(self, req: Request) -> None:
+        self._queue_snapshots(req)  # a prefill cut short by a cancel or a failure: what it read is still exact
         seq = self.seqs[req.seq]
         seq.request = None
         self.settling = True  # until the loop finds nothing to settle
