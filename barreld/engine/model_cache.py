@@ -214,18 +214,13 @@ class ModelCache:
         queues it, which the worker does once the prompt is in, so that the writer's work on it (blocks,
         hashes, files, the commit) does not run beside the prefill. A side row: the sequence's own checkpoint
         (`stored_key`, `origin`) is left as it is."""
-        if self.store is None:
-            return None
-        if self.drop_async_saves:
-            self.store.counters.count("saves_dropped")
-            return None
-        payload = self.payload(seq)
-        if payload is None or not self.policy.allows_save(payload.frontier):
+        if self.store is None or self._dropped():
             return None
         rendered = bytes(seq.rendered)
-        ckpt = self._checkpoint(seq, self.key(rendered), rendered, SaveReason.COLD, payload)
-        prefixes = self._prefixes(seq, rendered, payload.frontier)
-        store, tier = self.store, self.tier
+        prepared = self._prepared(seq, SaveReason.COLD, rendered, self.key(rendered))
+        if prepared is None:
+            return None
+        store, tier, (ckpt, prefixes) = self.store, self.tier, prepared
         return lambda: store.save(ckpt, tier, prefixes, sync=False)
 
     def save_before_cut(self, seq: Sequence, k: int) -> None:
@@ -266,23 +261,22 @@ class ModelCache:
     def _save(self, seq: Sequence, reason: SaveReason, *, sync: bool, deadline: float | None = None) -> bool:
         if self.store is None or not self.policy.allows_save(seq.frontier):
             return False
-        if not sync and self.drop_async_saves:
-            self.store.counters.count("saves_dropped")
+        if not sync and self._dropped():
             return False
         rendered = bytes(seq.rendered)
         key = self.key(rendered)
         if seq.stored_key == key and (self.store.lookup(key) is not None or self.store.pending(key)):
             return False
-        payload = self.payload(seq)
-        if payload is None or not self.policy.allows_save(payload.frontier):
+        prepared = self._prepared(seq, reason, rendered, key)
+        if prepared is None:
             return False
-        ckpt = self._checkpoint(seq, key, rendered, reason, payload)
+        ckpt, prefixes = prepared
         if deadline is None:
             deadline = time.monotonic() + self.policy.evict_save_timeout_ms / 1000.0
         outcome = self.store.save(
             ckpt,
             self.tier,
-            self._prefixes(seq, rendered, payload.frontier),
+            prefixes,
             sync=sync,
             timeout=max(0.0, deadline - time.monotonic()) if sync else None,
             replaces=seq.origin,
@@ -291,6 +285,22 @@ class ModelCache:
         if outcome.status in ("queued", "published", "duplicate"):
             seq.origin = key
         return outcome.status == "published" if sync else outcome.status == "queued"
+
+    def _dropped(self) -> bool:
+        """The test seam `drop_async_saves`: an async save dropped, and counted, as a full writer queue would."""
+        if self.drop_async_saves and self.store is not None:
+            self.store.counters.count("saves_dropped")
+        return self.drop_async_saves
+
+    def _prepared(self, seq: Sequence, reason: SaveReason, rendered: bytes, key: bytes
+                  ) -> tuple[Checkpoint, list[tuple[bytes, int]]] | None:
+        """The checkpoint a save of the sequence writes and the prefix keys it is found under; None when nothing
+        of it can be reused or it is too short to keep."""
+        payload = self.payload(seq)
+        if payload is None or not self.policy.allows_save(payload.frontier):
+            return None
+        ckpt = self._checkpoint(seq, key, rendered, reason, payload)
+        return ckpt, self._prefixes(seq, rendered, payload.frontier)
 
     def _checkpoint(self, seq: Sequence, key: bytes, rendered: bytes, reason: str, payload: SavedState) -> Checkpoint:
         from barreld.cache import Checkpoint
@@ -321,7 +331,7 @@ class ModelCache:
         if 0 < seq.prompt_len < len(seq.tokens):
             points.add(seq.prompt_len)
         points = {b for b in points if self.memory.indexed_at(b, frontier)}
-        if not self.memory.cuts_states and self.snapshots_boundaries:
-            # where the lookup's walk of chunk boundaries meets it: it then checks the prompt holds the rest
+        if self.snapshots_boundaries:
+            # a state that cannot be cut, found where the lookup walks (it then checks the prompt holds the rest)
             points.add(frontier // self.memory.chunk * self.memory.chunk)
         return [(self.key(rendered[: seq.offsets[b]]), b) for b in sorted(points - {0})]
