@@ -2,20 +2,21 @@
 
 llama.cpp's kernels may compute a token's KV and logits differently by where its batch splits: measured on
 these machines, SmolLM2 Q4_1 gives the same floats for any batches of two or more tokens, Gemma 3 Q4_K_M only
-when batches start on multiples of 4 (its quantised kernels take rows in groups of 4), and with flash
-attention only on multiples of 64; a token decoded alone takes another path everywhere. So the probe does
-what a warm start does, on the real context with the model's own K/V types and flash attention setting: a
-previous prompt ends inside a chunk, the next one keeps its first k tokens (k an odd multiple of the grain G
-tried) and prefills the rest from k. Its state bytes and last logits must equal a cold prefill's, split at the
-canonical chunk boundaries. The finest G that passes is the verdict; none passing leaves the chunk rule.
-Then, at that grain, sixteen tokens decoded one at a time stand in for a reply: equal again, generated tokens
-are reusable too (with a quantised K/V cache, small float differences can round to the same bytes, so one
-token would prove little).
+when batches start on multiples of 4 (its quantised kernels take rows in groups of 4) and none of a few tokens
+(under 8) is compared with a larger one, and with flash attention only where every batch holds at least 64
+tokens (below that its CPU kernel takes another path); a token decoded alone takes another path everywhere. So the probe does what a warm start does, on the real
+context with the model's own K/V types and flash attention setting: a previous prompt ends inside a chunk, the
+next one keeps its first k tokens (k a multiple of the grain G tried) and prefills the rest from k, once with k
+inside a chunk that the prompt fills and once with k a few tokens short of the prompt's end. Its state bytes
+and last logits must equal a cold prefill's, split at the canonical chunk boundaries. The finest G that passes
+is the verdict; none passing leaves the chunk rule. Then, at that grain, sixteen tokens decoded one at a time
+stand in for a reply: equal again, generated tokens are reusable too (with a quantised K/V cache, small float
+differences can round to the same bytes, so one token would prove little).
 
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
-nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: two to nine
-prefills of about 2.5 chunks (1 to 10 s on these 2 cores).
+nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: three to fifteen
+prefills of about 2.5 chunks (1 to 12 s on these 2 cores).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from barreld.names import MemoryKind
 log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # tried finest first; each must divide the chunk and leave room in it
-PROBE_VERSION = 2  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 3  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
@@ -122,22 +123,24 @@ class _Probe:
     def run(self) -> tuple[int, bool]:
         c = self.memory.chunk
         ref_logits = self._prefill(0, self.length)
-        ref = bytes(self.be.state_get(PROBE_SEQ))
+        cold = (bytes(self.be.state_get(PROBE_SEQ)), ref_logits.tobytes())
         self._clear()
         self._prefill(0, c)
         self.head = bytes(self.be.state_get(PROBE_SEQ))
         for grain in (g for g in GRAINS if c % g == 0 and 4 * g <= c):
             k = c + (c // 2 // grain | 1) * grain  # an odd multiple of the grain, inside the second chunk
-            if self._warm(k, grain) == (ref, ref_logits.tobytes()):
-                return grain, self._generated(k) == (ref, ref_logits.tobytes())
+            short = 2 * c + c // 2 // grain * grain  # a few tokens short of the end, inside the last chunk
+            if self._warm(k, grain) == cold and self._warm(short, grain) == cold:
+                return grain, self._generated(k) == cold
         return c, False
 
     def _warm(self, k: int, grain: int) -> tuple[bytes, bytes]:
-        """A previous prompt ends past k, off the grain (a cut memory) or at k, then a prompt keeps k tokens."""
+        """A previous prompt ends past k, off the grain (a cut memory) or at k, then a prompt keeps k tokens
+        and prefills the rest."""
         self._restart()
         cuts = self.memory.kind is MemoryKind.FULL
-        previous = k + grain + 1 if cuts else k
-        self._decode(self.memory.chunk, previous)
+        previous = min(k + grain + 1, self.length) if cuts else k
+        self._prefill(self.memory.chunk, previous)
         if cuts:
             self.be.seq_rm(PROBE_SEQ, k, -1)
         return self._finish(k)

@@ -6,9 +6,11 @@ repacked quantised kernels), and a batch holding one token of a sequence takes a
 schedule for every prefill, a warm prefill from a multiple of C evaluates exactly the batches a cold prefill
 of the same prompt does, one-token tail included, and gets the same KV and logits.
 
-Where a model's kernels take activation rows in groups (the measured reuse grain G, see
-`barreld.engine.memory`), the groups are counted from the batch's first row. So prefill chunks go first in
-a batch, each at a row that is a multiple of G, and the sampling steps (whose KV is not reused) after them.
+Each prefill run is decoded in a llama.cpp call of its own, and the sampling steps in one after them. With
+several sequences (a KV stream each), llama.cpp cuts a batch into micro-batches holding equally many tokens of
+every sequence in it, so beside one sampling step a chunk's first token would go into a micro-batch of its own
+and take the one-token path (with flash attention, the path of any batch under 64 tokens); and kernels that
+take rows in groups count them from the call's first row.
 """
 
 from __future__ import annotations
@@ -52,18 +54,25 @@ class Slot:
 @dataclass
 class DecodeBatch:
     """One tick's batch, and where the logits each slot needs will be: (slot index, batch index) pairs.
-    `waiting` says a prefill chunk did not fit beside the sampling steps."""
+    `calls` are the [start, stop) ranges of `items` that go to llama.cpp in one call each. `waiting` says a
+    prefill chunk did not fit beside the sampling steps."""
 
     items: list[BatchItem] = field(default_factory=list)
     samples: list[tuple[int, int]] = field(default_factory=list)
     prefills: list[tuple[int, int]] = field(default_factory=list)
+    calls: list[tuple[int, int]] = field(default_factory=list)
     waiting: bool = False
 
+    def add(self, items: list[BatchItem]) -> None:
+        """Appends what goes to llama.cpp in one call."""
+        if items:
+            self.calls.append((len(self.items), len(self.items) + len(items)))
+            self.items.extend(items)
 
-def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False, grain: int = 1
-               ) -> DecodeBatch:
+
+def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False) -> DecodeBatch:
     """The next whole chunk of each prefilling slot while n_batch has room for it beside the sampling steps,
-    each starting at a row that is a multiple of `grain`, then the next token of every decoding slot."""
+    then the next token of every decoding slot."""
     batch = DecodeBatch()
     decoding = [] if prefill_only else [i for i, s in enumerate(slots) if s.pending is not None]
     room = n_batch - len(decoding)
@@ -71,13 +80,15 @@ def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bo
         if s.pending is not None or s.pos >= len(s.target):
             continue
         end = chunk_end(s.pos, len(s.target), chunk)
-        if end - s.pos > room - len(batch.items) or len(batch.items) % grain:
+        if end - s.pos > room - len(batch.items):
             batch.waiting = True
             continue
         batch.prefills.append((i, len(batch.items) + end - s.pos - 1))
-        batch.items.extend(BatchItem(s.target[p], p, s.seq, p == end - 1) for p in range(s.pos, end))
+        batch.add([BatchItem(s.target[p], p, s.seq, p == end - 1) for p in range(s.pos, end)])
+    samples = []
     for i in decoding:
         s = slots[i]
-        batch.samples.append((i, len(batch.items)))
-        batch.items.append(BatchItem(s.pending, s.pos, s.seq, True))
+        batch.samples.append((i, len(batch.items) + len(samples)))
+        samples.append(BatchItem(s.pending, s.pos, s.seq, True))
+    batch.add(samples)
     return batch

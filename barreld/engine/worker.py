@@ -314,19 +314,21 @@ class ModelWorker:
         self._sample_stored()
         active = list(self._active)
         slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending) for r in active]
-        memory = self.cache.memory
-        batch = plan_batch(slots, memory.chunk, self.backend.n_batch, prefill_only, memory.grain)
+        batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only)
         if not batch.items:
             return batch.waiting
+        wanted = sorted(idx for _, idx in (*batch.prefills, *batch.samples))
+        logits: dict[int, np.ndarray] = {}
         try:
-            self.backend.decode(batch.items)
+            for start, stop in batch.calls:
+                self.backend.decode(batch.items[start:stop])
+                # Copy the logits rows now: the next call, or a decode in this tick's callbacks, overwrites them.
+                logits |= {idx: self.backend.logits(idx - start) for idx in wanted if start <= idx < stop}
         except BackendError as exc:
             log.error("decode failed: %s", exc)
             for req in active:
                 self._fail(req, BarrelError(f"llama.cpp decode failed: {exc}"))
             return False
-        # Copy every logits row now: a later decode in this tick's callbacks would overwrite them.
-        logits = {idx: self.backend.logits(idx) for _, idx in (*batch.prefills, *batch.samples)}
         for i, idx in batch.prefills:
             self._prefilled(active[i], batch.items[idx].pos + 1, logits[idx])
         for i, idx in batch.samples:

@@ -144,3 +144,30 @@ def test_a_grammar_is_matched_against_the_vocabulary_or_refused_without_one(be: 
         dead[be.tokenize_tail(b"x")[0]] = 1.0
         with pytest.raises(InvalidArgument, match="allows no token"):
             Sampler(SamplingParams(temperature=temperature, grammar=params.grammar), be.n_vocab, be.vocab).sample(dead)
+
+
+@pytest.mark.model
+def test_with_flash_attention_a_chunk_beside_another_sequences_token_gets_other_floats() -> None:
+    """Why the planner gives each prefill a llama.cpp call of its own (`barreld.engine.plan`): with several
+    sequences llama.cpp cuts a batch into micro-batches of equally many tokens of each, so the chunk's first
+    token goes in one of its own, and flash attention's CPU kernel computes a batch under 64 tokens otherwise."""
+    from barreld.engine.llama_backend import LlamaBackend
+
+    path = bundled_model_path("smollm2")
+    assert path is not None, "the bundled model is not installed"
+    be = LlamaBackend(Path(path), ContextSettings(n_ctx=512, n_batch=256, n_seq_max=2, n_threads=1,
+                                                 flash_attn=True))
+    try:
+        tokens = (be.tokenize(TEXT) * 8)[:128]
+        states = []
+        for beside in (False, True):
+            for seq in (0, 1):
+                be.seq_rm(seq, 0, -1)
+            prefill(be, 1, tokens[:8])
+            prefill(be, 0, tokens[:64])
+            chunk = [BatchItem(tokens[p], p, 0, p == len(tokens) - 1) for p in range(64, len(tokens))]
+            be.decode(chunk + [BatchItem(tokens[8], 8, 1, True)] if beside else chunk)
+            states.append(bytes(be.state_get(0)))
+        assert states[0] != states[1]
+    finally:
+        be.close()

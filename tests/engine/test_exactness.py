@@ -40,6 +40,14 @@ def test_a_split_sensitive_model_keeps_the_chunk_rule(tmp_path: Path) -> None:
     assert measure(be, model_memory(be, 16)).grain == 16
 
 
+def test_a_model_whose_small_batches_take_another_path_keeps_the_chunk_rule(tmp_path: Path) -> None:
+    """As llama.cpp's flash attention on the CPU under 64 tokens: a warm start that leaves a few tokens of a
+    chunk the cold prefill fills more is caught by the probe's start a few tokens short of the prompt's end
+    (the start inside the second chunk leaves enough here)."""
+    be = opened(write_gguf(tmp_path / "m.gguf", min_batch=8), ContextSettings(n_ctx=256, n_batch=128))
+    assert measure(be, model_memory(be, 32)).grain == 32
+
+
 def test_no_room_for_a_probe_fails_safe_to_the_chunk_rule(tmp_path: Path) -> None:
     be = opened(write_gguf(tmp_path / "m.gguf"), ContextSettings(n_ctx=32, n_batch=32))
     assert measure(be, model_memory(be, 16)).grain == 16

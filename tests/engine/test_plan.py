@@ -23,14 +23,15 @@ def test_whole_chunks_come_first_then_the_sampling_steps_within_n_batch() -> Non
     assert batch.waiting  # the fourth slot's chunk did not fit: it waits whole, never cut short
 
 
-def test_a_chunk_starts_at_a_row_that_is_a_multiple_of_the_grain() -> None:
-    """Kernels that take rows in groups count them from the batch's first row: a prompt's last chunk of 5
-    tokens would put the next chunk at row 5, so that one waits for the next batch."""
+def test_each_prefill_goes_to_llama_cpp_in_a_call_of_its_own_and_the_sampling_steps_in_one() -> None:
+    """llama.cpp cuts a batch of several sequences into micro-batches with equally many tokens of each: beside
+    a sampling step a chunk's first token would be in one of its own. And kernels that take rows in groups
+    count them from the call's first row: a prompt's last chunk of 5 tokens would put the next chunk at row 5."""
     slots = [slot(0, 32, 37), slot(1, 0, 40), slot(2, 3, 3, pending=9)]
-    batch = plan_batch(slots, chunk=16, n_batch=64, grain=4)
-    assert [it.seq for it in batch.items] == [0] * 5 + [2] and batch.waiting
-    batch = plan_batch(slots[1:], chunk=16, n_batch=64, grain=4)
-    assert [it.seq for it in batch.items] == [1] * 16 + [2]
+    batch = plan_batch(slots, chunk=16, n_batch=64)
+    assert [it.seq for it in batch.items] == [0] * 5 + [1] * 16 + [2]
+    assert batch.calls == [(0, 5), (5, 21), (21, 22)]
+    assert batch.prefills == [(0, 4), (1, 20)] and batch.samples == [(2, 21)]
 
 
 def test_chunks_end_at_absolute_multiples_of_the_chunk_size() -> None:
@@ -62,16 +63,15 @@ def test_common_prefix_of_token_lists() -> None:
     st.integers(1, 40),
     st.integers(9, 64),
     st.booleans(),
-    st.sampled_from([1, 2, 4]),
 )
-def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill_only: bool, grain: int) -> None:
+def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill_only: bool) -> None:
     chunk = min(chunk, n_batch)
     slots = []
     for seq, (pos, extra, decoding) in enumerate(raw):
         pending = 1 if decoding else None
         aligned = pos // chunk * chunk  # a prefill resumes at a chunk boundary
         slots.append(slot(seq, pos + extra if decoding else aligned, pos + extra, pending))
-    batch = plan_batch(slots, chunk, n_batch, prefill_only, grain)
+    batch = plan_batch(slots, chunk, n_batch, prefill_only)
     assert len(batch.items) <= max(n_batch, len(slots))
     rows = [i for i, it in enumerate(batch.items) if slots[it.seq].pending is not None]
     assert rows == list(range(len(batch.items) - len(rows), len(batch.items)))  # sampling steps last
@@ -83,8 +83,9 @@ def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill
             continue
         assert [it.token for it in mine] == list(s.target[s.pos : s.pos + len(mine)])
         assert [it.logits for it in mine] == [False] * (len(mine) - 1) + [True] * bool(mine)
-        if mine:  # exactly the canonical chunk, at a row that is a multiple of the grain
+        if mine:  # exactly the canonical chunk, in a llama.cpp call of its own
             assert s.pos + len(mine) == chunk_end(s.pos, len(s.target), chunk)
-            assert batch.items.index(mine[0]) % grain == 0
+            assert (batch.items.index(mine[0]), batch.items.index(mine[0]) + len(mine)) in batch.calls
         elif s.pos < len(s.target):
             assert batch.waiting
+    assert [i for c in batch.calls for i in range(*c)] == list(range(len(batch.items)))

@@ -4,11 +4,14 @@ What it keeps from llama.cpp, because the engine's correctness depends on it:
 - the logits at a position are a function of the KV it was computed from (a digest of the sequence's
   history, see tests/fakes/memory.py), so a wrong restore or a wrong cut changes the logits and the reply;
 - a token that is the only one of its sequence in a batch gets other KV and logits than inside a prefill;
-  on a split-sensitive model (the GGUF says so, or flash attention is on) every batch boundary counts;
+  on a split-sensitive model (the GGUF says so, or flash attention is on) every batch boundary counts; a GGUF
+  may also name the fewest tokens a batch holds for the usual path (`fake.min_batch`, as flash attention's
+  CPU kernel takes another below 64);
 - the four memory kinds (full, swa with swa_full on or off, recurrent, hybrid), chosen by the GGUF's
   metadata (`write_gguf`): what a cut keeps or refuses, what a saved state holds, what positions it reports;
 - states in llama.cpp's sequence-state layout (one layer: K rows are the digests, V rows the tokens), so the
   cache core's parser and cut run on them; `state_set` refuses foreign or malformed bytes;
+- a batch holding several sequences is cut as llama.cpp cuts it (see `decode`);
 - `decode` refuses a batch larger than n_batch, a position that is not its sequence's next one, or one past
   the context;
 - a tokenizer with multi-byte pieces, so text can retokenise differently from the tokens that produced it.
@@ -134,6 +137,7 @@ class FakeBackend:
         self.swa_window = int(meta.get("fake.window", "0"))
         self.swa_full = settings.swa_full and self.swa_window > 0
         self.split_sensitive = meta.get("fake.split") == "1" or settings.flash_attn
+        self.min_batch = int(meta.get("fake.min_batch", "2"))
         slots = settings.n_ctx if self.swa_full else min(settings.n_ctx, self.swa_window + settings.n_batch)
         root = hashlib.sha256(data).digest()[:16]
         self.seqs = [SeqMemory(self.memory, root, self.swa_window, slots) for _ in range(settings.n_seq_max)]
@@ -173,7 +177,11 @@ class FakeBackend:
             runs.setdefault(it.seq, []).append(it.pos)
         self._last = {}
         for i, it in enumerate(items):
-            digest = self.seqs[it.seq].add(it.pos, it.token, self._split(runs[it.seq]))
+            run = runs[it.seq]
+            # llama.cpp cuts a batch of several sequences into micro-batches with equally many tokens of each:
+            # beside one token of another sequence, a run's first token is in a micro-batch of its own.
+            split = b"alone" if len(runs) > 1 and it.pos == run[0] and len(run) > 1 else self._split(run)
+            digest = self.seqs[it.seq].add(it.pos, it.token, split)
             if it.logits:
                 self._last[i] = logits_of(digest)
 
@@ -181,7 +189,9 @@ class FakeBackend:
         """What of its batch a token's KV depends on: being alone, or on a split-sensitive model the run."""
         if self.split_sensitive:
             return struct.pack("<ii", run[0], len(run))
-        return b"alone" if len(run) == 1 else b""
+        if len(run) == 1:
+            return b"alone"
+        return b"small" if len(run) < self.min_batch else b""
 
     def _check_batch(self, items: list[BatchItem]) -> None:
         """All of a batch is checked before any of it is applied: a refused batch changes nothing."""
@@ -403,10 +413,12 @@ def read_meta(data: bytes) -> dict[str, str]:
 
 
 def write_gguf(
-    path: Path, name: str = "fake", memory: MemoryKind = MemoryKind.FULL, window: int = 0, split: bool = False
+    path: Path, name: str = "fake", memory: MemoryKind = MemoryKind.FULL, window: int = 0, split: bool = False,
+    min_batch: int = 0,
 ) -> Path:
     """A minimal valid GGUF v3 (string metadata, one small tensor), so the real fingerprint code reads it; the
-    metadata names the memory kind, its sliding window, and whether logits depend on the batch split."""
+    metadata names the memory kind, its sliding window, whether logits depend on the batch split, and the
+    fewest tokens a batch needs for a token's usual floats."""
 
     def string(s: bytes) -> bytes:
         return struct.pack("<Q", len(s)) + s
@@ -415,6 +427,8 @@ def write_gguf(
     if memory is not MemoryKind.FULL or window or split:
         kv += [(b"fake.memory", str(memory).encode()), (b"fake.window", str(window).encode()),
                (b"fake.split", b"1" if split else b"0")]
+    if min_batch:
+        kv += [(b"fake.min_batch", str(min_batch).encode())]
     head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kv))
     head += b"".join(string(k) + struct.pack("<I", 8) + string(v) for k, v in kv)
     head += string(b"token_embd.weight") + struct.pack("<IQIQ", 1, 8, 0, 0)  # 1 dim of 8, F32, offset 0
