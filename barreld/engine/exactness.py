@@ -1,17 +1,18 @@
 """How finely a loaded model's prefilled state can be reused, measured on its own context at load.
 
 llama.cpp's kernels may compute a token's KV and logits differently by where its batch splits: measured on
-these machines, SmolLM2 Q4_1 gives the same floats for any batches of two or more tokens, Gemma 3 Q4_K_M only
-when batches start on multiples of 4 (its quantised kernels take rows in groups of 4) and none of a few tokens
-(under 8) is compared with a larger one, and with flash attention only where every batch holds at least 64
-tokens (below that its CPU kernel takes another path); a token decoded alone takes another path everywhere. So the probe does what a warm start does, on the real
-context with the model's own K/V types and flash attention setting: a previous prompt ends inside a chunk, the
-next one keeps its first k tokens (k a multiple of the grain G tried) and prefills the rest from k, once with k
-inside a chunk that the prompt fills and once with k a few tokens short of the prompt's end. Its state bytes
-and last logits must equal a cold prefill's, split at the canonical chunk boundaries. The finest G that passes
-is the verdict; none passing leaves the chunk rule. Then, at that grain, sixteen tokens decoded one at a time
-stand in for a reply: equal again, generated tokens are reusable too (with a quantised K/V cache, small float
-differences can round to the same bytes, so one token would prove little).
+these machines, SmolLM2 Q4_1 gives the same floats for any batches of two or more tokens; Gemma 3 Q4_K_M only
+when batches start on multiples of 4 (its quantised kernels take rows in groups of 4), and a batch of a few
+tokens (under 8) gives other floats than a larger one; with flash attention, so does a batch under 64 tokens
+(its CPU kernel takes another path there); and a token decoded alone takes another path everywhere. So the
+probe does what a warm start does, on the real context with the model's own K/V types and flash attention
+setting: a previous prompt ends inside a chunk, the next one keeps its first k tokens (k a multiple of the
+grain G tried) and prefills the rest from k, once with k inside a chunk that the prompt fills and once with k
+a few tokens short of the prompt's end. Its state bytes and last logits must equal a cold prefill's, split at
+the canonical chunk boundaries. The finest G that passes is the verdict; none passing leaves the chunk rule.
+Then, at that grain, sixteen tokens decoded one at a time stand in for a reply: equal again, generated tokens
+are reusable too (with a quantised K/V cache, small float differences can round to the same bytes, so one
+token would prove little).
 
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
