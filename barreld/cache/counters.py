@@ -20,6 +20,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "resume_waits",
     "reuse_refused",
     "settled_tokens",
+    "opening_tokens",
     "boundary_snapshots",
     "lookup_ns",
     "restore_ns",

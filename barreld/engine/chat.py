@@ -119,28 +119,37 @@ def render(
     return _Renderer(template, messages, bos=bos, eos=eos, model=model, tools=tools).whole()
 
 
-def render_with_ends(
-    template: str | None, messages: tuple[Message, ...], **options: Any
-) -> tuple[bytes, tuple[int, ...]]:
-    """`render` (with its keyword arguments), and the byte offsets where the rendered messages end (where
-    agents' prompts part: after the system prompt and tools, after each turn). A message's end is where the
-    conversation cut after it renders to a prefix of the whole; templates that render earlier turns by what
-    follows them give fewer ends. A long conversation gives the first and the last ends only, so the cost
-    stays bounded."""
+@dataclass(frozen=True)
+class Rendering:
+    """A conversation rendered as a prompt, with what the cache may use of its shape (empty where not asked
+    for or not found): the byte offsets where its messages end, and the opening of its next turn."""
+
+    text: bytes
+    ends: tuple[int, ...] = ()
+    opening: bytes = b""
+
+
+def render_conversation(
+    template: str | None, messages: tuple[Message, ...], *, ends: bool = False, opening: bool = False,
+    **options: Any,
+) -> Rendering:
+    """`render` (with its keyword arguments), and as asked:
+
+    - `ends`: where the rendered messages end (where agents' prompts part: after the system prompt and tools,
+      after each turn). A message's end is where the conversation cut after it renders to a prefix of the
+      whole; templates that render earlier turns by what follows them give fewer ends. A long conversation
+      gives the first and the last ends only, so the cost stays bounded.
+    - `opening`: what the template writes between the reply to these messages and a next user message, so
+      that a chat that goes on sends the prompt, the reply and this first. Found by rendering the
+      conversation with a placeholder reply and user message; none where the template does not write the
+      reply as it is right after the prompt."""
     renderer = _Renderer(template, messages, **options)
     text = renderer.whole()
-    ends = []
-    for n in _ends_tried(len(renderer.messages)):
-        try:
-            head = renderer.head(n)
-        except InvalidArgument:
-            continue
-        if 0 < len(head) < len(text) and text.startswith(head):
-            ends.append(len(head))
-    return text, tuple(sorted(set(ends)))
+    return Rendering(text, renderer.ends(text) if ends else (), renderer.opening(text) if opening else b"")
 
 
 MESSAGE_ENDS_HEAD, MESSAGE_ENDS_TAIL = 8, 24
+_REPLY, _NEXT = "BarrelReplyPlaceholder", "BarrelNextTurnPlaceholder"  # stand-ins a template writes as they are
 
 
 def _ends_tried(n_messages: int) -> list[int]:
@@ -153,8 +162,8 @@ def _ends_tried(n_messages: int) -> list[int]:
 
 
 class _Renderer:
-    """One conversation and its template, compiled once: the whole rendering, and the renderings of its
-    first n messages without the cue."""
+    """One conversation and its template, compiled once: the whole rendering, where its messages end, and the
+    opening of a next turn."""
 
     def __init__(self, template: str | None, messages: tuple[Message, ...], *, bos: str, eos: str, model: str,
                  tools: ToolSpec | None = None) -> None:
@@ -184,8 +193,27 @@ class _Renderer:
     def whole(self) -> bytes:
         return self._render(self.messages, cue=True)
 
-    def head(self, n: int) -> bytes:
-        return self._render(self.messages[:n], cue=False)
+    def ends(self, text: bytes) -> tuple[int, ...]:
+        found = []
+        for n in _ends_tried(len(self.messages)):
+            try:
+                head = self._render(self.messages[:n], cue=False)
+            except InvalidArgument:
+                continue
+            if 0 < len(head) < len(text) and text.startswith(head):
+                found.append(len(head))
+        return tuple(sorted(set(found)))
+
+    def opening(self, text: bytes) -> bytes:
+        turns = [*self.messages, {"role": "assistant", "content": _REPLY}, {"role": "user", "content": _NEXT}]
+        try:
+            after = self._render(turns, cue=False)
+        except InvalidArgument:
+            return b""
+        reply = text + _REPLY.encode()
+        start = len(reply)
+        end = after.find(_NEXT.encode(), start)
+        return after[start:end] if after.startswith(reply) and end > start else b""
 
     def _render(self, messages: list[dict], cue: bool) -> bytes:
         try:

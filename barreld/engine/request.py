@@ -35,6 +35,7 @@ class CompletionParams:
     parent_key: bytes | None = None
     tools: ToolSpec | None = None  # rendered into the prompt; a forced call adds its grammar
     message_ends: tuple[int, ...] = ()  # byte offsets in the rendered prompt where its messages end
+    opening: bytes = b""  # what the template writes between the reply and a next user message (a chat)
 
 
 @dataclass

@@ -106,9 +106,9 @@ class ModelWorker:
         """Queues a request. A conversation is rendered here, on the caller's thread: a template is the
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
         turn_ends = self.turn_ends if params.messages or params.chat else ()
-        prompt, ends = self._rendered(params)
-        params = dataclasses.replace(params, prompt=prompt, messages=(), chat=False, message_ends=ends,
-                                     sampling=self._tool_sampling(params), turn_ends=turn_ends)
+        r = self._rendered(params)
+        params = dataclasses.replace(params, prompt=r.text, messages=(), chat=False, message_ends=r.ends,
+                                     opening=r.opening, sampling=self._tool_sampling(params), turn_ends=turn_ends)
         with self._cond:
             if self._stopping:
                 raise Unavailable(f"model {self.name} is shutting down; retry once it is loaded again")
@@ -268,19 +268,20 @@ class ModelWorker:
 
     def render(self, p: CompletionParams) -> bytes:
         """The raw prompt, or the conversation rendered through the chat template; on the caller's thread."""
-        return self._rendered(p, ends=False)[0]
+        return self._rendered(p, shape=False).text
 
-    def _rendered(self, p: CompletionParams, ends: bool = True) -> tuple[bytes, tuple[int, ...]]:
-        """`render`, and where the conversation's messages end when this model's cache snapshots its state
-        there (a memory that cannot be cut: see `ModelCache.boundary_points`)."""
+    def _rendered(self, p: CompletionParams, shape: bool = True) -> chat.Rendering:
+        """`render`, and of a conversation's shape what this model's cache uses: where its messages end, when
+        it snapshots its state there (a memory that cannot be cut: see `ModelCache.boundary_points`), and
+        the opening of a next turn, which a memory that can be cut settles with the reply (`_open_next_turn`)."""
         messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
         if not messages:
-            return p.prompt, ()
-        be = self.backend
-        with_ends = ends and bool(p.messages) and self.cache.snapshots_boundaries
-        renderer = chat.render_with_ends if with_ends else lambda *a, **kw: (chat.render(*a, **kw), ())
-        return renderer(p.chat_template or be.chat_template, messages, bos=be.bos_text, eos=be.eos_text,
-                        model=self.name, tools=p.tools)
+            return chat.Rendering(p.prompt)
+        be, conversation = self.backend, shape and bool(p.messages)
+        return chat.render_conversation(
+            p.chat_template or be.chat_template, messages, ends=conversation and self.cache.snapshots_boundaries,
+            opening=conversation and self.cache.memory.cuts_states, bos=be.bos_text, eos=be.eos_text,
+            model=self.name, tools=p.tools)
 
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
@@ -469,7 +470,26 @@ class ModelWorker:
                 stop=req.scanner.matched if req.scanner.matched in req.params.stop else b"",
             )
         )
+        if reason is not FinishReason.CANCELLED:
+            self._open_next_turn(req, seq)
         self._release(req)
+
+    def _open_next_turn(self, req: Request, seq: Sequence) -> None:
+        """Appends the opening of a chat's next turn to its text (not evaluated): a client that goes on sends
+        the prompt, the reply as it got it and that opening first, so settling prefills the opening with the
+        reply while the user reads, and the next turn prefills only its own message. Skipped where the text
+        held is not that (a stop string cut from the reply) or the opening's tokens do not render back to it."""
+        held, opening = bytes(seq.rendered), req.params.opening
+        expected = bytes(seq.rendered[: seq.offsets[req.prompt_tokens]]) + req.scanner.text + opening
+        if not opening or len(expected) <= len(held) or not expected.startswith(held):
+            return
+        tokens = self.backend.tokenize_tail(expected[len(held) :])
+        pieces = [self.backend.piece(t) for t in tokens]
+        if b"".join(pieces) != expected[len(held) :] or len(seq.tokens) + len(tokens) >= self.backend.n_ctx:
+            return
+        for token, piece in zip(tokens, pieces, strict=True):
+            seq.append(token, piece, prefilled=False)
+        self.cache.count("opening_tokens", len(tokens))
 
     # ---- settling replies while idle --------------------------------------------------------
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from barreld.engine import chat
-from barreld.engine.chat import Message, messages_from, render, render_with_ends
+from barreld.engine.chat import Message, messages_from, render, render_conversation
+from barreld.engine.exactness import ReuseProbe
 from barreld.errors import FailedPrecondition, InvalidArgument
-from tests.fakes.backend import CHAT_TEMPLATE, render_user_turn
+from tests.fakes.backend import CHAT_TEMPLATE, render_user_turn, tokenize
 
-from .conftest import Engine
+from .conftest import Engine, WatchedStore, plain
+
+
+def render_with_ends(template: str, messages: tuple[Message, ...], **options: str) -> tuple[bytes, tuple[int, ...]]:
+    r = render_conversation(template, messages, ends=True, **options)
+    return r.text, r.ends
+
 
 CONVERSATION = (
     Message("system", "Be brief."),
@@ -50,6 +59,23 @@ def test_a_long_conversation_looks_for_its_first_and_last_ends_only(monkeypatch:
     monkeypatch.setattr(chat, "MESSAGE_ENDS_TAIL", 1)
     out, ends = render_with_ends(CHAT_TEMPLATE, CONVERSATION, bos="<s>", eos="</s>", model="m")
     assert len(ends) == 2 and out[: ends[0]].endswith(b"brief.<|end|>\n") and out[: ends[1]].endswith(b"sets?<|end|>\n")
+
+
+def test_the_opening_of_a_next_turn_is_what_the_template_writes_between_a_reply_and_a_user_message() -> None:
+    r = render_conversation(CHAT_TEMPLATE, CONVERSATION, opening=True, bos="<s>", eos="</s>", model="m")
+    assert r.opening == b"<|end|>\n<|user|>" and r.ends == ()
+    reply = b"Dust."
+    after = render(CHAT_TEMPLATE, (*CONVERSATION, Message("assistant", "Dust."), Message("user", "Thanks")),
+                   bos="<s>", eos="</s>", model="m")
+    assert after.startswith(r.text + reply + r.opening)
+
+
+def test_no_opening_where_the_template_does_not_write_the_reply_as_it_is_or_refuses_a_next_turn() -> None:
+    shouting = CHAT_TEMPLATE.replace("{{ m.content }}", "{{ m.content | upper }}")
+    assert render_conversation(shouting, CONVERSATION, opening=True, bos="", eos="", model="m").opening == b""
+    short = "{% if messages | length > 4 %}{{ raise_exception('at most 4 messages') }}{% endif %}" + CHAT_TEMPLATE
+    r = render_conversation(short, CONVERSATION, opening=True, bos="", eos="", model="m")
+    assert r.text.endswith(b"<|assistant|>") and r.opening == b""
 
 
 def test_openai_shaped_dicts_become_messages_and_other_keys_are_ignored() -> None:
@@ -117,3 +143,25 @@ def test_a_configured_template_replaces_the_models_own(engine: Engine) -> None:
     engine.load("t", chat_template="<<{{ messages[0].content }}>>")
     chat = engine.run(b"hi there", name="t", chat=True)
     assert chat.done.prompt_key == engine.run(b"<<hi there>>", name="t").done.prompt_key
+
+
+def test_a_chat_settles_the_opening_of_its_next_turn_with_its_reply(tmp_path: Path, store: WatchedStore) -> None:
+    """The next turn restores the prompt, the reply and the template's opening of the next user message: it
+    prefills its own message and the cue only, and replies as a cold prefill does."""
+    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    e.load(policy={"settle_tokens": "infinity"})
+    for seed in range(2, 40):  # a reply a client can send back as text: the fake's vocabulary is not all UTF-8
+        first = (Message("system", plain(40, 1).decode()), Message("user", plain(20, seed).decode()))
+        reply = e.run(b"", messages=first, chat_template=CHAT_TEMPLATE)
+        if reply.text.decode("utf-8", "replace").encode() == reply.text:
+            break
+    e.wait_settled()
+    assert e.counter("opening_tokens") > 0
+    second = (*first, Message("assistant", reply.text.decode()), Message("user", plain(9, 3).decode()))
+    again = e.run(b"", messages=second, chat_template=CHAT_TEMPLATE)
+    answered = render(CHAT_TEMPLATE, first, bos="", eos="", model="m") + reply.text
+    restored = again.started.cache.restored_tokens  # into the opening (a token short where it would be alone)
+    assert again.route == "live"
+    assert len(tokenize(answered, bos=True)) + 1 < restored <= len(tokenize(answered + b"<|end|>\n<|user|>", True))
+    assert again.text == e.cold(b"", messages=second, chat_template=CHAT_TEMPLATE).text
+    e.close()
