@@ -33,8 +33,8 @@ not automatic), so it starts the second pass empty. Tokens restored are each sid
 `usage.prompt_tokens_details.cached_tokens` for both, llama-server's `timings.cache_n` beside it (the same
 figure); tokens prefilled are Barrel's `barrel.cache.prefilled_tokens` and llama-server's `timings.prompt_n`.
 After each reply the client pauses 1 s, as a reader would: Barrel settles its reply in that time (prefills it
-again as a prompt, so that the next turn reuses it), and the pause keeps that work out of the other side's
-request on these shared cores.
+again as a prompt, with the template's opening of the next user message, so that the next turn reuses both),
+and the pause keeps that work out of the other side's request on these shared cores.
 """
 
 from __future__ import annotations
