@@ -20,7 +20,7 @@ import pytest
 
 from barreld.engine.registry import bundled_model_path
 from tests.support.sandbox import Sandbox
-from tests.test_cache_paths import CHUNK, NO_SAVES, POLICY, doc
+from tests.test_cache_paths import CHUNK, NO_SAVES, POLICY, counters, doc
 
 pytestmark = pytest.mark.model
 
@@ -93,6 +93,30 @@ def test_a_second_turn_restores_the_first_and_replies_as_a_cold_prefill_does(war
     assert reference.usage.prompt_tokens_details.cached_tokens == 0
     assert r2.choices[0].message.content == reference.choices[0].message.content
     assert r2.model_extra["barrel"]["prompt_key"] == reference.model_extra["barrel"]["prompt_key"]
+
+
+def test_a_chat_given_time_to_settle_restores_its_reply_and_the_opening_of_its_next_turn(warm: Daemon,
+                                                                                        cold: Daemon) -> None:
+    """While the user reads, the reply is prefilled again with what the template writes before the next user
+    message (ChatML: <|im_end|>, a newline, <|im_start|>user, a newline): the next turn restores all of that
+    and prefills only its own message and the cue, and replies as a cold prefill does."""
+    client = warm.sdk()
+    turn1 = [SYSTEM, {"role": "user", "content": "Which word of the notes comes last?"}]
+    before = counters(warm.box)
+    r1 = client.chat.completions.create(model="smollm2", messages=turn1, max_tokens=12, temperature=0)
+    deadline = time.monotonic() + 60
+    while (c := counters(warm.box))["settled_tokens"] - before["settled_tokens"] < r1.usage.completion_tokens:
+        assert time.monotonic() < deadline, "the reply was not settled"
+        time.sleep(0.1)
+    opening = c["opening_tokens"] - before["opening_tokens"]
+    assert opening >= 4
+    turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And the first?"}]
+    r2 = client.chat.completions.create(model="smollm2", messages=turn2, max_tokens=12, temperature=0)
+    assert r2.model_extra["barrel"]["cache"]["path"] == "live"
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.total_tokens + opening
+    reference = cold.sdk().chat.completions.create(model="smollm2", messages=turn2, max_tokens=12, temperature=0)
+    assert r2.choices[0].message.content == reference.choices[0].message.content
 
 
 def test_the_async_sdk_streams_what_it_gets_whole(warm: Daemon) -> None:
