@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -114,6 +115,41 @@ def _mapped(events: Iterable[Any], socket: Path, model: Callable[[], str | None]
         raise call_error(exc, socket, model()) from None
 
 
+POLL_S = 0.1  # how long the main thread may wait before a pending Ctrl-C gets through
+
+
+def _received(events: Iterable[Any]) -> Iterator[tuple[float, Any]]:
+    """The events of a call with the time each arrived, read on a thread of their own.
+
+    A Ctrl-C raises KeyboardInterrupt in the main thread at any point of the Python code it runs. Raised in
+    gRPC's code, it can land just after one of gRPC's locks was taken (`Condition.__enter__` is Python) and
+    leave that lock held, and every later call on the channel then hangs: a chat that goes on after a Ctrl-C
+    would wait for its next reply forever. So the main thread only waits on a C queue, in short waits, where
+    the interrupt lands in this function and holds nothing."""
+    box: queue.SimpleQueue[tuple[str, float, Any]] = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            for ev in events:
+                box.put(("event", time.perf_counter(), ev))
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            box.put(("error", 0.0, exc))
+        else:
+            box.put(("end", 0.0, None))
+
+    threading.Thread(target=read, name="barrelctl-events", daemon=True).start()
+    while True:
+        try:
+            kind, at, item = box.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if kind == "end":
+            return
+        if kind == "error":
+            raise item
+        yield at, item
+
+
 @dataclass(frozen=True)
 class ReplyStarted:
     """The daemon has taken the request: how much of the prompt came warm, by which lookup route."""
@@ -173,11 +209,11 @@ class CompletionStream:
         self._result: Completion | None = None
 
     def __iter__(self) -> Iterator[ReplyStarted | ReplyToken]:
-        for ev in _mapped(self._call, self._socket, lambda: self._model):
+        for at, ev in _received(_mapped(self._call, self._socket, lambda: self._model)):
             kind = ev.WhichOneof("event")
             if kind == "token":
                 if self._first is None:
-                    self._first = time.perf_counter()
+                    self._first = at
                 yield ReplyToken(ev.token.text)
             elif kind == "started":
                 s, c = ev.started, ev.started.cache
@@ -185,10 +221,9 @@ class CompletionStream:
                 yield ReplyStarted(c.path, c.tier or None, c.restored_tokens, c.prefilled_tokens, s.prompt_tokens,
                               s.prompt_key)
             else:
-                self._result = self._completion(ev.done)
+                self._result = self._completion(ev.done, at)
 
-    def _completion(self, done: pb.CompleteDone) -> Completion:
-        end = time.perf_counter()
+    def _completion(self, done: pb.CompleteDone, end: float) -> Completion:
         c, t = done.cache, done.timings_ms
         return Completion(
             text=done.text,
