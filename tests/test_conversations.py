@@ -10,7 +10,9 @@ boundary (256 tokens), so the conversation opens with a system message longer th
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -57,7 +59,9 @@ class Terminal:
 
     def __init__(self, box: Sandbox, *args: str, stdout: Path | None = None) -> None:
         # No cursor-position requests: nobody on this terminal answers them.
-        env = box.env(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1")
+        # Faulthandler: SIGABRT makes the client print every thread's stack (`expect_or_explain`).
+        env = box.env(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", PYTHONFAULTHANDLER="1")
+        self.box = box
         argv = [sys.executable, "-m", "barrelctl", "chat", *args]
         if stdout is not None:
             argv = ["/bin/sh", "-c", 'exec "$@" > "$0"', str(stdout), *argv]
@@ -70,6 +74,28 @@ class Terminal:
         self.child.expect(FOOTER)
         m = self.child.match
         return Footer(m.group(1).decode(), int(m.group(3)), int(m.group(4)))
+
+    def expect_or_explain(self, pattern: re.Pattern[bytes]) -> None:
+        """Expects pattern; on a timeout, fails with what was waiting: SIGABRT makes the client and the daemon
+        (faulthandler, on in both) write every thread's stack, the client's to the terminal, the daemon's to
+        its log, which the failure shows with the daemon's last lines before it."""
+        try:
+            self.child.expect(pattern)
+        except pexpect.TIMEOUT:
+            for pid in [self.child.pid, *self.box.daemon_pids()]:
+                os.kill(pid, signal.SIGABRT)
+            time.sleep(2)
+            try:
+                client = self.child.read_nonblocking(1 << 20, timeout=5)
+            except (pexpect.TIMEOUT, pexpect.EOF):
+                client = b""
+            shown = ANSI.sub(b"", client).decode(errors="replace")[-6000:]
+            log = self.box.log_text()
+            dump = log.rfind("Fatal Python error")
+            raise AssertionError(
+                f"{pattern.pattern!r} did not come. The client:\n{shown}"
+                f"\nThe daemon's log:\n{log[max(0, dump - 6000) if dump >= 0 else -12000:]}"
+            ) from None
 
     def command(self, line: str, answer: str) -> None:
         self.child.expect(">>>")
@@ -140,7 +166,7 @@ def test_ctrl_c_stops_the_reply_in_the_daemon_and_the_session_goes_on(served: Sa
     term.child.expect("a knight.")
     term.child.send("\x15")
     term.child.sendline("Say hello.")
-    term.child.expect(FOOTER)
+    term.expect_or_explain(FOOTER)
     saved = tmp_path / "after.json"
     term.command(f"/save {saved}", "saved 2 messages")
     assert [m["content"] for m in json.loads(saved.read_text()) if m["role"] == "user"] == ["Say hello."]
