@@ -44,6 +44,7 @@ def superseded(row: pb.CacheRow, present: list[pb.CacheRow]) -> bool:
 def test_sigkill_at_random_moments_loses_nothing_published() -> None:
     rng = random.Random(20261129)
     candidates: list[tuple[bytes, bytes | None]] = []  # (prompt, its reply if seen) with a published checkpoint
+    origins: dict[bytes, str] = {}  # a candidate's life and the rows that made it one, for a failure to show
     published: dict[str, pb.CacheRow] = {}  # rows available just before the last kill
     tally: Counter[str] = Counter()
     spent: Counter[str] = Counter()
@@ -71,6 +72,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                     if k not in found and not superseded(r, present)]
             assert not lost, f"life {life}: rows available before the kill are gone: {lost}"
             tally["superseded_before_the_kill"] += sum(k not in found for k in published)
+            excused = [(r.save_reason, r.tokens, r.tier) for k, r in published.items() if k not in found]
             if life % 10 == 0:  # the operator's command, too
                 v = w.ctl("--no-autostart", "--json", "cache", "verify")
                 assert v.rc == 0 and v.json()["bad"] == [], v.err
@@ -92,10 +94,21 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 first = complete(s, seed, MAX_TOKENS)
                 util.wait_for(lambda s=s, key=first.key: key in available(s), what="the first save")
                 candidates.append((seed, first.text))
+                origins[seed] = "in life 0, as the seed"
             if candidates:  # published before a kill: it must start warm, and reply as it did
                 prompt, text = candidates[-1]
                 again = complete(s, prompt, MAX_TOKENS)
-                assert again.route != "miss", f"life {life}: a checkpoint published before the kill was not found"
+                if again.route == "miss":
+                    wanted = ("reuse_refused", "corrupt_files", "corrupt_blocks", "evictions", "superseded")
+                    seen = {k: v for k, v in util.counters(s).items() if k in wanted}
+                    raise AssertionError(
+                        f"life {life}: a checkpoint published before the kill was not found. The prompt "
+                        f"({again.prompt_tokens} tokens) became a candidate {origins[prompt]}; gone at this "
+                        f"start as superseded: {excused}; rows now: "
+                        f"{[(r.save_reason, r.tokens, r.tier, r.frontier) for r in rows(s)]}; counters: {seen}; "
+                        f"divergence: {again.divergence}. The daemon's log since it started:\n"
+                        f"{w.log_text()[log_before:][-12000:]}"
+                    )
                 assert text is None or again.text == text, f"life {life}: the warm reply differs from the first"
                 candidates[-1] = (prompt, again.text)  # warm replies equal cold ones: later probes compare
                 tally["warm_probes"] += 1
@@ -147,6 +160,8 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 tally["replies_before_kill"] += 1
             if published.keys() - found:  # some checkpoint of the fresh prompt was published before the kill
                 candidates.append((prompt, reply.text if reply is not None and reply.key in published else None))
+                new = [(r.save_reason, r.tokens, r.tier) for k, r in published.items() if k not in found]
+                origins[prompt] = f"in life {life}, by rows {new}"
                 tally["fresh_prompts_with_a_published_checkpoint"] += 1
         proc.terminate()
         assert proc.wait(60) == 0
