@@ -41,6 +41,19 @@ def superseded(row: pb.CacheRow, present: list[pb.CacheRow]) -> bool:
     )
 
 
+def quiet(s, seconds: float = 0.5, timeout: float = 60) -> None:
+    """Until the available rows stay the same for `seconds`: the saves a request queued have landed."""
+    deadline = time.monotonic() + timeout
+    last = set(available(s))
+    while time.monotonic() < deadline:
+        time.sleep(seconds)
+        now = set(available(s))
+        if now == last:
+            return
+        last = now
+    raise AssertionError(f"the rows kept changing for {timeout} s")
+
+
 def test_sigkill_at_random_moments_loses_nothing_published() -> None:
     rng = random.Random(20261129)
     candidates: list[tuple[bytes, bytes | None]] = []  # (prompt, its reply if seen) with a published checkpoint
@@ -112,8 +125,12 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 assert text is None or again.text == text, f"life {life}: the warm reply differs from the first"
                 candidates[-1] = (prompt, again.text)  # warm replies equal cold ones: later probes compare
                 tally["warm_probes"] += 1
-                # Let its saves land first, so every row new at the kill is the fresh prompt's.
+                # Let its saves land first, so every row new at the kill is the fresh prompt's: its finish, and
+                # then no new row for half a second. A finish already stored is not published again, and its continued
+                # save (which may be stored or not) came after it: a continued row of the probe published after
+                # the rows were listed once made the next prompt a candidate.
                 util.wait_for(lambda s=s, key=again.key: key in available(s), what="the probe's finish save")
+                quiet(s)
                 found = {r.key for r in rows(s)}
             spent["probe"] += time.monotonic() - t2
 
