@@ -41,6 +41,11 @@ def superseded(row: pb.CacheRow, present: list[pb.CacheRow]) -> bool:
     )
 
 
+def unlisted(published: dict[str, pb.CacheRow], found: set[str]) -> list[tuple[str, int, str]]:
+    """(save reason, tokens, tier) of the published rows not in `found`, for a failure to show."""
+    return [(r.save_reason, r.tokens, r.tier) for k, r in published.items() if k not in found]
+
+
 def quiet(s, seconds: float = 0.5, timeout: float = 60) -> None:
     """Until the available rows stay the same for `seconds`: the saves a request queued have landed."""
     deadline = time.monotonic() + timeout
@@ -85,7 +90,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                     if k not in found and not superseded(r, present)]
             assert not lost, f"life {life}: rows available before the kill are gone: {lost}"
             tally["superseded_before_the_kill"] += sum(k not in found for k in published)
-            excused = [(r.save_reason, r.tokens, r.tier) for k, r in published.items() if k not in found]
+            excused = unlisted(published, found)
             if life % 10 == 0:  # the operator's command, too
                 v = w.ctl("--no-autostart", "--json", "cache", "verify")
                 assert v.rc == 0 and v.json()["bad"] == [], v.err
@@ -125,10 +130,10 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 assert text is None or again.text == text, f"life {life}: the warm reply differs from the first"
                 candidates[-1] = (prompt, again.text)  # warm replies equal cold ones: later probes compare
                 tally["warm_probes"] += 1
-                # Let its saves land first, so every row new at the kill is the fresh prompt's: its finish, and
-                # then no new row for half a second. A finish already stored is not published again, and its continued
-                # save (which may be stored or not) came after it: a continued row of the probe published after
-                # the rows were listed once made the next prompt a candidate.
+                # Let its saves land first, so every row new at the kill is the fresh prompt's: its finish, then
+                # no new row for half a second. A finish already stored is not published again, and its continued
+                # save (stored or not) came after it: a continued row of the probe published after the rows were
+                # listed once made the next prompt a candidate.
                 util.wait_for(lambda s=s, key=again.key: key in available(s), what="the probe's finish save")
                 quiet(s)
                 found = {r.key for r in rows(s)}
@@ -177,8 +182,7 @@ def test_sigkill_at_random_moments_loses_nothing_published() -> None:
                 tally["replies_before_kill"] += 1
             if published.keys() - found:  # some checkpoint of the fresh prompt was published before the kill
                 candidates.append((prompt, reply.text if reply is not None and reply.key in published else None))
-                new = [(r.save_reason, r.tokens, r.tier) for k, r in published.items() if k not in found]
-                origins[prompt] = f"in life {life}, by rows {new}"
+                origins[prompt] = f"in life {life}, by rows {unlisted(published, found)}"
                 tally["fresh_prompts_with_a_published_checkpoint"] += 1
         proc.terminate()
         assert proc.wait(60) == 0
