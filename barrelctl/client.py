@@ -23,7 +23,7 @@ from barrelctl.errors import ClientError, DaemonDied
 from barreld.deaths import find_death
 from barreld.engine.chat import Message
 from barreld.engine.divergence import Divergence
-from barreld.paths import SYSTEM_SOCKET, default_socket, locked, private_dir, socket_answers
+from barreld.paths import SYSTEM_SOCKET, default_socket, locked, peer_token, private_dir, socket_answers
 
 if TYPE_CHECKING:
     import grpc
@@ -268,6 +268,7 @@ class Client:
         self.autostart = autostart
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
+        self._metadata: tuple[tuple[str, str], ...] = ()  # the peer token that proves this process's user
         self._lock = threading.Lock()  # threads may share a client: one of them connects
 
     def __enter__(self) -> Client:
@@ -306,19 +307,22 @@ class Client:
         sampling: Mapping[str, Any] | None = None,
         logprobs: int | None = None,
         explain: bool = False,
+        cache_salt: str = "",
+        tenant: str = "",
         timeout: float | None = None,
     ) -> CompletionStream:
         """Starts a completion of `prompt`, or of `messages` (then pass an empty prompt) rendered by the model's
         chat template or `chat_template`; None leaves max_tokens to the daemon's default and the sampler
         unseeded. `sampling` holds the Sampling message's fields (top_k, ..., grammar, json_schema). With
         `explain`, nothing runs: the result says what would be restored and where the prompt left the closest
-        text held."""
+        text held. `cache_salt` separates requests further within the caller's tenant; `tenant` (the daemon's
+        own user only) looks up as a tenant of the HTTP keys file."""
         pb = _pb()
         request = pb.CompleteRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                      seed=seed, stop=list(stop), parent_key=parent_key, chat=chat,
                                      messages=[pb.Message(role=m.role, content=m.content) for m in messages],
                                      chat_template=chat_template, sampling=pb.Sampling(**(sampling or {})),
-                                     logprobs=logprobs, explain=explain)
+                                     logprobs=logprobs, explain=explain, cache_salt=cache_salt, tenant=tenant)
         return CompletionStream(self._call("Complete", request, timeout), self.socket, model)
 
     def load(
@@ -358,8 +362,11 @@ class Client:
     def models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
         return list(self._call("ListModels", _pb().ListModelsRequest(), timeout).models)
 
-    def cache_dump(self, *, model: str = "", tier: str = "", timeout: float | None = None) -> list[pb.CacheRow]:
-        return list(self._call("CacheDump", _pb().CacheDumpRequest(model=model, tier=tier), timeout).rows)
+    def cache_dump(self, *, model: str = "", tier: str = "", tenant: str | None = None,
+                   timeout: float | None = None) -> list[pb.CacheRow]:
+        """Every row (of `tenant`, when given; "" is the daemon's own user) the caller may see."""
+        request = _pb().CacheDumpRequest(model=model, tier=tier, tenant=tenant)
+        return list(self._call("CacheDump", request, timeout).rows)
 
     def cache_stats(self, *, timeout: float | None = None) -> pb.CacheStatsReply:
         return self._call("CacheStats", _pb().CacheStatsRequest(), timeout)
@@ -403,7 +410,7 @@ class Client:
 
         stub = self._connected()
         try:
-            return getattr(stub, method)(request, timeout=timeout)
+            return getattr(stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise call_error(exc, self.socket) from None
 
@@ -436,6 +443,8 @@ class Client:
             f"unix:{self.socket}", options=[("grpc.max_receive_message_length", MAX_MESSAGE)]
         )
         self._stub = pb_grpc.BarrelStub(self._channel)
+        token = peer_token(self.socket)
+        self._metadata = (("barrel-peer", token),) if token else ()
 
     def _start_daemon(self) -> None:
         """Starts barreld in the background under a lock, so racing clients end with one daemon."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 
-from barreld.address import ListenAddress, load_api_keys, parse_listen
+from barreld.address import ListenAddress, parse_listen
 from barreld.cache import TierConfig
 from barreld.cache.remote.settings import (
     DEFAULT_PREFIX,
@@ -43,6 +43,7 @@ from barreld.names import (
 from barreld.pressure.scheduler import check_watermarks
 from barreld.pressure.sources import check_source_spec
 from barreld.sizes import parse_size
+from barreld.tenants import TenantKey, Tenants, load_keys, shared_groups
 
 BUNDLED_MODEL = "smollm2"
 """The one model name that may omit `path`: the contract's bundled default."""
@@ -77,7 +78,7 @@ class HttpConfig:
 
     listen: ListenAddress | None = None
     api_keys_file: Path | None = None
-    api_keys: tuple[bytes, ...] = field(default=(), repr=False)
+    tenants: Tenants = field(default_factory=Tenants, repr=False)  # the keys' tenants and who shares
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class _ConfigReader:
         policy = self.policy(Policy(), self.table(data, "policy", None), "policy")
         scheduler = self.scheduler(self.table(data, "scheduler", _field_names(SchedulerConfig)))
         models = self.models(data.get("models", []), policy)
-        http = self.http(self.table(data, "http", ("listen", "api_keys_file")))
+        http = self.http(self.table(data, "http", ("listen", "api_keys_file", "shared")))
         block_tokens = self.block_tokens(self.table(data, "cache", ("block_tokens",)), policy)
         return Config(
             path, data_dir, socket, writers, max_queue, socket_group, tiers, policy, scheduler, models, http, redis,
@@ -225,7 +226,7 @@ class _ConfigReader:
 
     def http(self, table: dict[str, Any]) -> HttpConfig:
         listen = keys_file = None
-        keys: tuple[bytes, ...] = ()
+        keys: tuple[TenantKey, ...] = ()
         if "listen" in table:
             try:
                 listen = parse_listen(self.string(table["listen"], "http.listen"), self.base)
@@ -234,10 +235,19 @@ class _ConfigReader:
         if "api_keys_file" in table:
             keys_file = self.path(table["api_keys_file"], "http.api_keys_file")
             try:
-                keys = load_api_keys(keys_file)
+                keys = load_keys(keys_file)
             except ValueError as e:
                 self.fail("http.api_keys_file", str(e))
-        return HttpConfig(listen, keys_file, keys)
+        if "shared" in table:
+            if not keys:
+                self.fail("http.shared", "names tenants, but there is no api_keys_file to name them")
+            try:
+                if not isinstance(table["shared"], list):
+                    raise ValueError(f"expected a list of tenant names, got {table['shared']!r}")
+                return HttpConfig(listen, keys_file, Tenants(keys, shared_groups(table["shared"])))
+            except ValueError as e:
+                self.fail("http.shared", str(e))
+        return HttpConfig(listen, keys_file, Tenants(keys))
 
     def tiers(self, data: dict[str, Any], data_dir: Path) -> Mapping[str, TierConfig]:
         tables = self.table(data, "tiers", (*TIER_NAMES, REDIS_TIER))

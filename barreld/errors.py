@@ -27,3 +27,11 @@ class ResourceExhausted(BarrelError):
 
 class Unavailable(BarrelError):
     code = "UNAVAILABLE"
+
+
+class PermissionDenied(BarrelError):
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(BarrelError):
+    code = "UNAUTHENTICATED"

@@ -74,3 +74,25 @@ def socket_answers(path: Path) -> bool:
         return False
     finally:
         s.close()
+
+
+def peer_socket(path: Path) -> Path:
+    """The identity socket beside a gRPC socket (see `barreld.server.peers`)."""
+    return path.with_name(path.name + ".peer")
+
+
+def peer_token(path: Path, timeout: float = 2.0) -> str | None:
+    """The client's side: `uid:token` from the identity socket beside the gRPC socket `path`; None when there is
+    none (an older daemon, or one still starting)."""
+    with contextlib.suppress(OSError), socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(peer_socket(path)))
+        data = b""
+        while not data.endswith(b"\n") and len(data) < 256:
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            data += chunk
+        text = data.decode("ascii", "replace").strip()
+        return text if ":" in text else None
+    return None

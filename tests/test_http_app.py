@@ -26,6 +26,7 @@ from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.frontend.metrics import Metrics
 from barreld.http.app import MAX_BODY, DaemonState, HttpApi
 from barreld.http.server import HttpServer
+from barreld.tenants import TenantKey, Tenants
 from tests.engine.conftest import POLICY, plain
 from tests.fakes.backend import FakeBackend, write_gguf
 
@@ -50,7 +51,7 @@ class SteppedBackend(FakeBackend):
 class Served:
     """A registry over SteppedBackend (model "m", n_ctx 256, queue of 1) behind HttpApi on 127.0.0.1:0."""
 
-    def __init__(self, root: Path, api_keys: tuple[bytes, ...] = ()) -> None:
+    def __init__(self, root: Path, tenants: Tenants | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.store = CacheStore(root / "data", {"ram": TierConfig(64 << 20), "ram_file": TierConfig(
             64 << 20, root / "ram_file"), "disk": TierConfig(64 << 20, root / "disk")}).open()
@@ -63,7 +64,7 @@ class Served:
         self.server = HttpServer(parse_listen("127.0.0.1:0"))
         self.server.bind()
         state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.stopping)
-        self.server.start(HttpApi(self.registry, self.metrics, state, api_keys).app)
+        self.server.start(HttpApi(self.registry, self.metrics, state, tenants).app)
         self.port = self.server.address.port
 
     @property
@@ -515,7 +516,7 @@ def test_a_bug_is_500_logged_and_the_server_goes_on(healthy: Served, monkeypatch
 
 
 def test_keys_are_enforced_on_every_route_but_health(tmp_path: Path) -> None:
-    guarded = Served(tmp_path, api_keys=(b"another-key", KEY.encode()))
+    guarded = Served(tmp_path, Tenants((TenantKey("other", b"another-key"), TenantKey("tester", KEY.encode()))))
     try:
         assert guarded.request("GET", "/health")[0] == 200
         for path in ("/v1/models", "/metrics"):

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from barreld.address import ListenAddress, load_api_keys, parse_listen
+from barreld.address import ListenAddress, parse_listen
 from barreld.config import ConfigError, load_config
+from barreld.tenants import load_keys
 from tests.support.sandbox import Sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def keys_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
 
 def test_keys_file_one_key_a_line(tmp_path: Path) -> None:
     path = keys_file(tmp_path, "# team keys\nsk-one\n\n  sk-two  \n")
-    assert load_api_keys(path) == (b"sk-one", b"sk-two")
+    assert [k.key for k in load_keys(path)] == [b"sk-one", b"sk-two"]
 
 
 @pytest.mark.parametrize(
@@ -73,17 +74,17 @@ def test_keys_file_one_key_a_line(tmp_path: Path) -> None:
         ("sk-one\n", 0o644, "mode 0644"),
         ("sk-one\n", 0o640, "chmod 600"),
         ("# nothing\n\n", 0o600, "holds no keys"),
-        ("sk one\n", 0o600, "must not contain spaces"),
+        ("sk one\n", 0o600, "keys:1: a key must not contain spaces"),
     ],
 )
 def test_bad_keys_files_are_refused(tmp_path: Path, text: str, mode: int, words: str) -> None:
     with pytest.raises(ValueError, match=words):
-        load_api_keys(keys_file(tmp_path, text, mode))
+        load_keys(keys_file(tmp_path, text, mode))
 
 
 def test_a_missing_keys_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read"):
-        load_api_keys(tmp_path / "nope")
+        load_keys(tmp_path / "nope")
 
 
 def load(tmp_path: Path, text: str):
@@ -97,7 +98,7 @@ def test_http_table(tmp_path: Path) -> None:
     keys_file(tmp_path, "sk-one\n")
     http = load(tmp_path, "[http]\nlisten = '0.0.0.0:8080'\napi_keys_file = 'keys'\n").http
     assert http.listen == parse_listen("0.0.0.0:8080")
-    assert http.api_keys_file == tmp_path / "keys" and http.api_keys == (b"sk-one",)
+    assert http.api_keys_file == tmp_path / "keys" and [k.key for k in http.tenants.keys] == [b"sk-one"]
     assert "sk-one" not in repr(http)
 
 

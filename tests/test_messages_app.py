@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import barreld.http.app as app_module
+from barreld.tenants import TenantKey, Tenants
 from tests.test_http_app import KEY, Served, wait_for
 
 
@@ -129,7 +130,7 @@ def test_errors_come_in_anthropics_shape(served: Served, body: dict, status: int
 
 
 def test_a_key_is_taken_as_x_api_key_or_bearer(tmp_path: Path) -> None:
-    guarded = Served(tmp_path, api_keys=(KEY.encode(),))
+    guarded = Served(tmp_path, Tenants((TenantKey("tester", KEY.encode()),)))
     try:
         status, _, doc = guarded.request("POST", "/v1/messages", BODY, headers={"x-api-key": "wrong"})
         assert status == 401 and doc["error"]["type"] == "authentication_error"

@@ -14,7 +14,8 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
     56  8  zero (reserved)
     64  M  metadata: UTF-8 JSON {key, model, fingerprint, quant, ctx_params, save_reason, created, prefixes,
                                     memory, frontier, logits_at (when the logits do not follow every token),
-                                    chain (format 2 only, see `Chain`)}
+                                    chain (format 2 only, see `Chain`), tenant and namespace (a
+                                    tenant's row only, see `key.Namespace`)}
         ..  zero padding to 8
         4N tokens, int32
         R  rendered prompt bytes
@@ -108,7 +109,8 @@ class Checkpoint:
     whole text (a finish checkpoint's generated reply too), the state only what was prefilled. `memory` is
     the model's memory kind, which decides whether the state can serve a shorter prefix. `chain`, on a
     checkpoint stored as blocks, names them (then `state` is only its own part); `layout` is the model's state
-    shape, handed to the store so that it can cut the state into blocks (never written).
+    shape, handed to the store so that it can cut the state into blocks (never written). `tenant` wrote it, and
+    `namespace` (a digest, empty for the default namespace) is part of its key and its blocks' keys.
     """
 
     key: bytes
@@ -128,6 +130,8 @@ class Checkpoint:
     memory: str = MemoryKind.FULL.value
     chain: Chain | None = None
     layout: object = None
+    tenant: str = ""
+    namespace: bytes = b""
 
     @property
     def logits_tokens(self) -> int:
@@ -150,8 +154,9 @@ class Checkpoint:
         state: Buffer,
         logits: Buffer | None = None,
         prefixes: Sequence[tuple[bytes, int]] = (),
+        tenant: str = "",
     ) -> Checkpoint:
-        """A checkpoint whose key is computed from the scheme, stamped with the current time."""
+        """A checkpoint whose key is computed from the scheme (and its namespace), stamped with the current time."""
         return cls(
             key=scheme.key(rendered),
             model=model,
@@ -165,11 +170,13 @@ class Checkpoint:
             state=state,
             logits=logits,
             prefixes=tuple(prefixes),
+            tenant=tenant,
+            namespace=scheme.namespace,
         )
 
     def key_scheme(self) -> KeyScheme:
         """The scheme recorded in this checkpoint."""
-        return KeyScheme(self.fingerprint, self.quant, self.ctx_params)
+        return KeyScheme(self.fingerprint, self.quant, self.ctx_params, self.namespace)
 
     def check_key(self) -> None:
         """Raise CorruptCheckpoint unless `key` is what the recorded metadata and prompt hash to."""
@@ -206,8 +213,8 @@ def _check(ckpt: Checkpoint, n_tokens: int) -> None:
     """Refuses fields that would write a file `decode` rejects."""
     if ckpt.save_reason not in SAVE_REASONS:
         raise ValueError(f"save_reason {ckpt.save_reason!r} is not one of {', '.join(SAVE_REASONS)}")
-    if len(ckpt.key) != 32 or len(ckpt.fingerprint) != 32:
-        raise ValueError("key and fingerprint must be 32 bytes each")
+    if len(ckpt.key) != 32 or len(ckpt.fingerprint) != 32 or len(ckpt.namespace) not in (0, 32):
+        raise ValueError("key and fingerprint must be 32 bytes each, and a namespace 32 bytes or none")
     if ckpt.memory not in set(MemoryKind) or not 0 <= ckpt.frontier_tokens <= n_tokens:
         raise ValueError(f"memory {ckpt.memory!r} and frontier {ckpt.frontier} do not describe the state")
 
@@ -224,6 +231,8 @@ def _plan(ckpt: Checkpoint) -> _Plan:
     if len(logits) % 4:
         raise ValueError("logits must be float32 (a multiple of 4 bytes)")
     extra = {} if ckpt.logits_at is None else {"logits_at": int(ckpt.logits_at)}
+    if ckpt.namespace or ckpt.tenant:
+        extra |= {"tenant": ckpt.tenant, "namespace": bytes(ckpt.namespace).hex()}
     meta = json.dumps(
         {
             **extra,
@@ -360,6 +369,7 @@ def decode(buf: Buffer) -> Checkpoint:
             frontier=frontier,
             memory=memory.value,
             chain=chain,
+            tenant=str(meta.get("tenant", "")), namespace=bytes.fromhex(meta.get("namespace", "")),
         )
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"bad metadata: {e}") from e

@@ -370,6 +370,8 @@ class Index:
         frontier: int | None = None,
         blocks: tuple[bytes, ...] = (),
         block_size: int = 0,
+        tenant: str = "",
+        namespace: bytes = b"",
     ) -> Reservation:
         """Claim `key` for one writer and `size` bytes of `tier` plus those of its blocks not stored there yet
         (a reference on each), evicting that tier's LRU rows to fit. `unwritten` lists the blocks the writer
@@ -379,7 +381,7 @@ class Index:
             with self.write() as b:
                 return self._reserve(b, key, tier, size, model=model, tokens=tokens, text_bytes=text_bytes,
                                      save_reason=save_reason, memory=memory, frontier=frontier, blocks=blocks,
-                                     block_size=block_size)
+                                     block_size=block_size, tenant=tenant, namespace=namespace)
         except _Refused as refused:
             return Reservation(refused.status)
 

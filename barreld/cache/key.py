@@ -10,6 +10,11 @@ block key = sha256(b"BRLBLK\0\1" || fingerprint(32) || quant(16) || u32 len(ctx_
 
 Every field before the rendered prompt bytes has a fixed width or an explicit length, so no two
 different field tuples can produce the same hashed byte string.
+
+A tenant's keys (see `Namespace`) start with b"BRLNS\0\1" || namespace digest(32) before the fields above, in
+both layouts: a lookup of one namespace can never find another's rows, prefixes or blocks. The default
+namespace adds nothing, so the keys a single-tenant daemon stored stay as they were; no key of it can equal a
+namespaced one, which would need a model fingerprint (a SHA-256 digest) that starts with that tag.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ _READ_CHUNK = 8 * 1024 * 1024
 BLOCK_TAG = b"BRLBLK\0\1"
 NO_PARENT = bytes(32)
 _QUANT_WIDTH = 16
+NAMESPACE_TAG = b"BRLNS\0\1"
+_SCHEMES_KEPT = 256  # namespaced schemes a model keeps ready (one per tenant and salt in use)
 
 
 def fingerprint_gguf(path: Path, mode: str, supplied: str | None = None) -> bytes:
@@ -259,14 +266,52 @@ class CtxParams:
 
 
 @dataclass(frozen=True)
+class Namespace:
+    """Whose rows a lookup may find: a tenant (a key's name, a Unix user) and, within it, an optional salt (an
+    application's end user, vLLM's `cache_salt`). Requests of two namespaces share nothing the cache holds.
+
+    `tenant` is the name operators see on the rows; `digest` is folded into every key (empty: the default
+    namespace, the one tenant of a daemon without keys). Tenants that an operator lets share name the same
+    `group`, so their digests agree while each row still names the tenant that wrote it."""
+
+    tenant: str = ""
+    digest: bytes = b""
+
+    @classmethod
+    def of(cls, tenant: str, salt: str = "", group: str | None = None) -> Namespace:
+        """The namespace of a tenant's requests with this salt; the default tenant's without a salt is the
+        default namespace."""
+        label = tenant if group is None else group
+        if not label and not salt:
+            return cls(tenant)
+        fields = (b"\0" if group is None else b"\1", label.encode(), salt.encode())
+        h = hashlib.sha256(NAMESPACE_TAG)
+        for f in fields:
+            h.update(struct.pack("<I", len(f)))
+            h.update(f)
+        return cls(tenant, h.digest())
+
+    @property
+    def short(self) -> str:
+        """The digest's first 8 bytes in hex ("" for the default namespace): tells namespaces apart in a dump
+        without showing a salt."""
+        return self.digest[:8].hex()
+
+
+DEFAULT_NAMESPACE = Namespace()
+
+
+@dataclass(frozen=True)
 class KeyScheme:
     """Everything except the prompt that goes into a key: one per loaded model and context."""
 
     fingerprint: bytes
     quant: str
     ctx_params: bytes
+    namespace: bytes = b""
     _prefix: Any = field(init=False, repr=False, compare=False)
     _block_prefix: Any = field(init=False, repr=False, compare=False)
+    _within: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.fingerprint) != 32:
@@ -277,15 +322,31 @@ class KeyScheme:
             raise ValueError(f"quant {self.quant!r} is not ASCII") from e
         if len(quant) > _QUANT_WIDTH or b"\0" in quant:
             raise ValueError(f"quant {self.quant!r} must be at most {_QUANT_WIDTH} ASCII bytes without NUL")
+        if len(self.namespace) not in (0, 32):
+            raise ValueError(f"a namespace digest is 32 bytes (or none), got {len(self.namespace)}")
         # The fixed prefix of every key's hash input, computed once per scheme.
         prefix = (
-            bytes(self.fingerprint)
+            (NAMESPACE_TAG + bytes(self.namespace) if self.namespace else b"")
+            + bytes(self.fingerprint)
             + quant.ljust(_QUANT_WIDTH, b"\0")
             + struct.pack("<I", len(self.ctx_params))
             + bytes(self.ctx_params)
         )
         object.__setattr__(self, "_prefix", hashlib.sha256(prefix))
         object.__setattr__(self, "_block_prefix", hashlib.sha256(BLOCK_TAG + prefix))
+        object.__setattr__(self, "_within", {})
+
+    def within(self, namespace: bytes) -> KeyScheme:
+        """This scheme for a namespace's keys (its digest; empty: the default namespace, this scheme itself)."""
+        if namespace == self.namespace:
+            return self
+        kept = self._within
+        scheme = kept.get(namespace)
+        if scheme is None:
+            if len(kept) >= _SCHEMES_KEPT:
+                kept.clear()
+            scheme = kept[namespace] = KeyScheme(self.fingerprint, self.quant, self.ctx_params, namespace)
+        return scheme
 
     def key(self, rendered: bytes) -> bytes:
         """The 32-byte cache key of these rendered prompt bytes."""

@@ -34,7 +34,7 @@ def upgrade(index: Index) -> None:
     decode: Callable[[bytes, bytes], Row] | None = decode_any
     if found == INDEX_FORMAT:
         what = f"was ranked by the tier order {tiers!r}"
-    elif found in (None, 2) and has_rows:
+    elif found in (2, 3) or (found is None and has_rows):
         what = f"is in format {found or 1}"
     elif found is None:
         what = ""  # a new index

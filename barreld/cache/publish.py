@@ -214,6 +214,8 @@ class Publisher:
             frontier=ckpt.frontier_tokens,
             blocks=chain.keys if chain is not None else (),
             block_size=chain.block_size if chain is not None else 0,
+            tenant=ckpt.tenant,
+            namespace=ckpt.namespace,
         )
 
     def _write_blocks(self, tier: Tier, keys: tuple[bytes, ...], payloads: dict[bytes, bytearray],

@@ -174,5 +174,7 @@ def _adopted_row(ckpt: Checkpoint, tier: str, location: str, size: int) -> Row:
         frontier=ckpt.frontier_tokens,
         blocks=chain.keys if chain is not None else (),
         block_size=chain.block_size if chain is not None else 0,
+        tenant=ckpt.tenant,
+        namespace=ckpt.namespace,
     )
 

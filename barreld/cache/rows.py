@@ -1,4 +1,4 @@
-"""How the index encodes what it stores: rows (formats 1 to 3, the older ones read for the upgrade), the lru and
+"""How the index encodes what it stores: rows (formats 1 to 4, the older ones read for the upgrade), the lru and
 prefix entries a row implies, and block entries.
 
 A row's lru entry is u8 tier rank || u64 BE last_used_ns || key(32), so the least recently used rows of a
@@ -18,7 +18,8 @@ import lmdb
 
 from barreld.names import TIER_NAMES, TIER_RANK
 
-INDEX_FORMAT = 3
+INDEX_FORMAT = 4
+_ROW_STRINGS = {2: 6, 3: 6, INDEX_FORMAT: 8}
 
 RESERVED = "reserved"
 AVAILABLE = "available"
@@ -66,6 +67,8 @@ class Row:
     frontier: int = 0  # leading tokens the state holds reusably (the key covers all `tokens`)
     blocks: tuple[bytes, ...] = ()  # keys of the blocks its payload names, in order (none: a whole state)
     block_size: int = 0  # bytes each of them holds in the tier
+    tenant: str = ""  # who wrote it ("": the default tenant)
+    namespace: bytes = b""  # the namespace digest its key was derived in (none: the default namespace)
 
     @property
     def stored_bytes(self) -> int:
@@ -73,12 +76,14 @@ class Row:
         return self.size + len(self.blocks) * self.block_size
 
     def encode(self) -> bytes:
-        """Format 3: `_ROW_HEAD` (format, status, numbers, string, alias and block counts, frontier, block
-        size), then model, tier, save_reason, location ('' for none), token and memory kind joined by NUL,
-        which none of them can hold, then the (alias key, n_tokens) pairs, then the block keys. Binary, so
-        open decodes a large index quickly."""
+        """Format 4: `_ROW_HEAD` (format, status, numbers, string, alias and block counts, frontier, block
+        size), then model, tier, save_reason, location ('' for none), token, memory kind, tenant and namespace
+        (hex) joined by NUL, which none of them can hold, then the (alias key, n_tokens) pairs, then the block
+        keys. Binary, so open decodes a large index quickly. (Format 3 is the same without the last two
+        strings.)"""
         strings = "\0".join(
-            (self.model, self.tier, self.save_reason, self.location or "", self.token, self.memory)
+            (self.model, self.tier, self.save_reason, self.location or "", self.token, self.memory, self.tenant,
+             self.namespace.hex())
         ).encode()
         head = _ROW_HEAD.pack(
             INDEX_FORMAT,
@@ -100,8 +105,15 @@ class Row:
 
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> Row:
-        """The row stored under `key`; RowFormatError for anything but a well-formed format 2 or 3 row."""
-        head, (model, tier, save_reason, location, token, memory), end = unpack(key, raw)
+        """The row stored under `key`; RowFormatError for anything but a well-formed format 2, 3 or 4 row."""
+        head, fields, end = unpack(key, raw)
+        model, tier, save_reason, location, token, memory, tenant, namespace = (*fields, "", "")[:8]
+        try:
+            digest = bytes.fromhex(namespace)
+        except ValueError:
+            digest = b"-"
+        if len(digest) not in (0, 32):
+            raise RowFormatError(f"index row {bytes(key).hex()} names a malformed namespace")
         blocks_at = end + head[10] * _ROW_ALIAS.size
         return cls(
             key=bytes(key),
@@ -123,15 +135,17 @@ class Row:
             frontier=head[11],
             blocks=tuple(bytes(raw[i : i + 32]) for i in range(blocks_at, len(raw), 32)),
             block_size=head[13],
+            tenant=tenant,
+            namespace=digest,
         )
 
 
 
 def unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
-    """A format 3 row's `_ROW_HEAD` fields (a format 2 row's, with no blocks), its six strings and where its
-    aliases start; RowFormatError for anything else."""
+    """A format 3 or 4 row's `_ROW_HEAD` fields (a format 2 row's, with no blocks), its strings (six, eight in
+    format 4) and where its aliases start; RowFormatError for anything else."""
     try:
-        fmt = _ROW_HEAD if raw[:1] == bytes((INDEX_FORMAT,)) else _ROW_HEAD_2
+        fmt = _ROW_HEAD if raw[:1] in (b"\3", bytes((INDEX_FORMAT,))) else _ROW_HEAD_2
         head = fmt.unpack_from(raw)
         if fmt is _ROW_HEAD_2:
             head += (0, 0)
@@ -139,8 +153,8 @@ def unpack(key: bytes, raw: bytes) -> tuple[tuple, list[str], int]:
         fields = raw[fmt.size : end].decode().split("\0")
     except (struct.error, UnicodeDecodeError) as e:
         raise RowFormatError(f"unreadable index row {bytes(key).hex()}: {e}") from None
-    if head[0] not in (2, INDEX_FORMAT) or head[1] not in STATUSES or len(fields) != 6:
-        raise RowFormatError(f"index row {bytes(key).hex()} is not a format 2 or {INDEX_FORMAT} row")
+    if head[1] not in STATUSES or len(fields) != _ROW_STRINGS.get(head[0]):
+        raise RowFormatError(f"index row {bytes(key).hex()} is not a format 2 to {INDEX_FORMAT} row")
     if len(raw) != end + head[10] * _ROW_ALIAS.size + head[12] * 32:
         raise RowFormatError(f"index row {bytes(key).hex()} has a torn alias or block list")
     return head, fields, end

@@ -321,12 +321,13 @@ class CacheStore:
         self.counters.count("evictions", evicted)
         return evicted, freed
 
-    def texts(self, model: str, limit: int) -> list[tuple[bytes, bytes]]:
-        """(key, rendered text) of the model's `limit` most recently used rows, read without their states and
-        unverified: what a prompt is compared with to say why it missed, never restored from. A row removed
-        while it is read is left out."""
+    def texts(self, model: str, limit: int, namespace: bytes = b"") -> list[tuple[bytes, bytes]]:
+        """(key, rendered text) of the model's `limit` most recently used rows in one namespace, read without
+        their states and unverified: what a prompt is compared with to say why it missed, never restored from.
+        A row removed while it is read is left out."""
         index = self._require_open()
-        rows = sorted((r for r in index.rows() if r.model == model and r.status == AVAILABLE and r.location),
+        rows = sorted((r for r in index.rows() if r.model == model and r.status == AVAILABLE and r.location
+                       and r.namespace == namespace),
                       key=lambda r: r.last_used_ns, reverse=True)
         out = []
         for row in rows[:limit]:
@@ -342,16 +343,18 @@ class CacheStore:
                 index.release(row.key)
         return out
 
-    def dump(self, model: str | None = None, tier: str | None = None) -> list[dict]:
-        """Every row in the shape `cache dump` reports, most recently used first.
+    def dump(self, model: str | None = None, tier: str | None = None, tenant: str | None = None) -> list[dict]:
+        """Every row (of one tenant's, when named) in the shape `cache dump` reports, most recently used first.
 
-        `location` is the file path; null for ram rows (memory has no path) and for reserved rows.
+        `location` is the file path; null for ram rows (memory has no path) and for reserved rows. `namespace`
+        is the first 8 bytes of the row's namespace digest, which tells a tenant's salts apart without them.
         """
         index = self._require_open()
         rows = [
             r
             for r in index.rows()
             if (model is None or r.model == model) and (tier is None or r.tier == tier)
+            and (tenant is None or r.tenant == tenant)
         ]
         rows.sort(key=lambda r: r.last_used_ns, reverse=True)
         return [
@@ -359,6 +362,8 @@ class CacheStore:
                 **self._sharing(r),
                 "key": r.key.hex(),
                 "model": r.model,
+                "tenant": r.tenant,
+                "namespace": r.namespace[:8].hex(),
                 "tier": r.tier,
                 "size": r.size,
                 "tokens": r.tokens,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import numpy as np
 
 from barreld.cache import statecut, stateformat
+from barreld.cache.key import Namespace
 from barreld.engine.backend import Backend, BatchItem
 from barreld.engine.memory import Memory
 from barreld.engine.policy import AUTO, INFINITY, Policy
@@ -39,6 +40,8 @@ StateBytes = bytes | bytearray | memoryview
 
 class KeyFunction(Protocol):
     def key(self, rendered: bytes) -> bytes: ...
+
+    def within(self, namespace: bytes) -> KeyFunction: ...
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ class ModelCache:
         self.quant = quant
         self.ctx_params = ctx_params
 
-    def key(self, rendered: bytes) -> bytes:
-        return self.scheme.key(rendered)
+    def key(self, rendered: bytes, namespace: Namespace) -> bytes:
+        """The key of these bytes in a namespace: no lookup of another namespace can find it."""
+        return self.scheme.within(namespace.digest).key(rendered)
 
     @property
     def uncapped(self) -> bool:
@@ -169,9 +173,9 @@ class ModelCache:
                 last = p
         return frozenset(points)
 
-    def stored_texts(self, limit: int) -> list[tuple[bytes, bytes]]:
-        """(key, text) of this model's most recently used rows, at most `limit`."""
-        return [] if self.store is None else self.store.texts(self.model, limit)
+    def stored_texts(self, limit: int, namespace: Namespace) -> list[tuple[bytes, bytes]]:
+        """(key, text) of this model's most recently used rows in a namespace, at most `limit`."""
+        return [] if self.store is None else self.store.texts(self.model, limit, namespace.digest)
 
     def count(self, name: str, n: int = 1) -> None:
         if self.store is not None:
@@ -217,7 +221,7 @@ class ModelCache:
         if self.store is None or self._dropped():
             return None
         rendered = bytes(seq.rendered)
-        prepared = self._prepared(seq, SaveReason.COLD, rendered, self.key(rendered))
+        prepared = self._prepared(seq, SaveReason.COLD, rendered, self.key(rendered, seq.namespace))
         if prepared is None:
             return None
         store, tier, (ckpt, prefixes) = self.store, self.tier, prepared
@@ -264,7 +268,7 @@ class ModelCache:
         if not sync and self._dropped():
             return False
         rendered = bytes(seq.rendered)
-        key = self.key(rendered)
+        key = self.key(rendered, seq.namespace)
         if seq.stored_key == key and (self.store.lookup(key) is not None or self.store.pending(key)):
             return False
         prepared = self._prepared(seq, reason, rendered, key)
@@ -322,6 +326,8 @@ class ModelCache:
             frontier=payload.frontier,
             memory=str(self.memory.kind),
             layout=self.block_shape,
+            tenant=seq.namespace.tenant,
+            namespace=seq.namespace.digest,
         )
 
     def _prefixes(self, seq: Sequence, rendered: bytes, frontier: int) -> list[tuple[bytes, int]]:
@@ -334,4 +340,4 @@ class ModelCache:
         if self.snapshots_boundaries:
             # a state that cannot be cut, found where the lookup walks (it then checks the prompt holds the rest)
             points.add(frontier // self.memory.chunk * self.memory.chunk)
-        return [(self.key(rendered[: seq.offsets[b]]), b) for b in sorted(points - {0})]
+        return [(self.key(rendered[: seq.offsets[b]], seq.namespace), b) for b in sorted(points - {0})]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from barreld.engine.chat import Message
 from barreld.engine.divergence import Divergence
 from barreld.engine.sampler import Sampler
@@ -36,6 +37,7 @@ class CompletionParams:
     tools: ToolSpec | None = None  # rendered into the prompt; a forced call adds its grammar
     message_ends: tuple[int, ...] = ()  # byte offsets in the rendered prompt where its messages end
     opening: bytes = b""  # what the template writes between the reply and a next user message (a chat)
+    namespace: Namespace = DEFAULT_NAMESPACE  # the tenant (and salt) whose cached states it may reuse
 
 
 @dataclass

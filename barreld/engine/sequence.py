@@ -8,6 +8,7 @@ from itertools import accumulate
 
 import numpy as np
 
+from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from barreld.engine.request import Request
 
 
@@ -43,6 +44,7 @@ class Sequence:
     # The logits after the prompt (its first `pos` tokens), kept when settling moves the frontier off its end:
     # the same prompt sent again samples from them once the sequence is cut back to it.
     kept_logits: tuple[int, np.ndarray] | None = None
+    namespace: Namespace = DEFAULT_NAMESPACE  # whose text it holds: only that namespace's prompts reuse it
 
     def logits_at(self, n: int) -> int | None:
         """Where the logits that follow the first n tokens, or the frontier's, are known; None if nowhere."""

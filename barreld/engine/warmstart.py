@@ -19,12 +19,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from barreld.cache.key import Namespace
 from barreld.engine.backend import Backend, BackendError
 from barreld.engine.model_cache import ModelCache
 from barreld.engine.plan import common_prefix_len
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LIVE_MIN_TOKENS = 32
+
+Keys = Callable[[bytes], bytes]
+"""The key of a prompt's bytes in the namespace of the request looking it up."""
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,17 @@ class WarmStarts:
     # ---- finding ----------------------------------------------------------------------------
 
     def find(
-        self, tokens: list[int], rendered: bytes, offsets: list[int], parent_key: bytes | None, idle: list[Sequence]
+        self, tokens: list[int], rendered: bytes, offsets: list[int], parent_key: bytes | None, idle: list[Sequence],
+        namespace: Namespace,
     ) -> WarmStart:
-        """Tries every route and keeps the one that reuses the most of the prompt.
+        """Tries every route within the request's namespace and keeps the one that reuses the most of the prompt:
+        a live sequence of another namespace is never offered, and every stored key is derived in this one.
 
         Ties go to the cheaper route: live, exact, resume, longest prefix.
         """
         best = WarmStart()
-        for seq in idle:
+        key: Keys = lambda text: self.cache.key(text, namespace)  # noqa: E731 - one key function per lookup
+        for seq in (s for s in idle if s.namespace == namespace):
             candidate = self._live_offer(seq, tokens)
             if candidate.tokens > best.tokens:
                 best = candidate
@@ -96,12 +103,12 @@ class WarmStarts:
         t0 = time.perf_counter_ns()
         try:
             stored = [c for c in (
-                self._exact(len(tokens), rendered),
-                self._resume(parent_key, len(tokens), rendered, offsets),
-                self._longest_prefix(len(tokens), rendered, offsets, best.tokens),
+                self._exact(key, len(tokens), rendered),
+                self._resume(key, parent_key, len(tokens), rendered, offsets),
+                self._longest_prefix(key, len(tokens), rendered, offsets, best.tokens),
             ) if c is not None and c.tokens > best.tokens]
             if not stored and store.remote is not None:
-                best = self._remote(len(tokens), rendered, offsets, parent_key, best)
+                best = self._remote(key, len(tokens), rendered, offsets, parent_key, best)
         finally:
             store.counters.add_ns("lookup_ns", time.perf_counter_ns() - t0)
         return self._chained(stored) or best
@@ -145,13 +152,14 @@ class WarmStarts:
             return None
         return WarmStart(route, k, hit=hit, tier=hit.tier)
 
-    def _exact(self, n: int, rendered: bytes) -> WarmStart | None:
+    def _exact(self, key: Keys, n: int, rendered: bytes) -> WarmStart | None:
         """The whole prompt's key: a checkpoint of exactly this prompt, or one that extends it (a finish
         checkpoint is also indexed under its prompt's key)."""
-        hit = self.cache.store.lookup(self.cache.key(rendered))
+        hit = self.cache.store.lookup(key(rendered))
         return None if hit is None else self._stored(Route.EXACT, hit, n)
 
-    def _resume(self, parent_key: bytes | None, n: int, rendered: bytes, offsets: list[int]) -> WarmStart | None:
+    def _resume(self, key: Keys, parent_key: bytes | None, n: int, rendered: bytes, offsets: list[int]
+                ) -> WarmStart | None:
         """The parent checkpoint's bytes must be a strict prefix of the prompt: checked through the key
         itself (the hash of the prompt's first bytes), so no file is read to decide."""
         if not parent_key:
@@ -165,20 +173,21 @@ class WarmStarts:
                 with contextlib.suppress(Exception):
                     pending.result(timeout=self.cache.policy.session_resume_wait_ms / 1000.0)
                 hit = store.lookup(parent_key)
-        if hit is None or not self._continues(hit, parent_key, rendered, offsets):
+        if hit is None or not self._continues(key, hit, parent_key, rendered, offsets):
             return None
         return self._stored(Route.RESUME, hit, n)
 
-    def _continues(self, hit: Hit, parent_key: bytes, rendered: bytes, offsets: list[int]) -> bool:
+    def _continues(self, key: Keys, hit: Hit, parent_key: bytes, rendered: bytes, offsets: list[int]) -> bool:
         """Whether the parent's bytes are a strict prefix of the prompt: a whole checkpoint renders to
         hit.text_bytes bytes; a prefix alias to the bytes of its first n tokens, which are the prompt's own
         first n tokens when both tokenise alike."""
         lengths = {hit.text_bytes} if hit.n_tokens == hit.total_tokens else set()
         if hit.n_tokens < len(offsets):
             lengths.add(offsets[hit.n_tokens])
-        return any(size < len(rendered) and self.cache.key(rendered[:size]) == parent_key for size in lengths)
+        return any(size < len(rendered) and key(rendered[:size]) == parent_key for size in lengths)
 
-    def _longest_prefix(self, n: int, rendered: bytes, offsets: list[int], floor: int) -> WarmStart | None:
+    def _longest_prefix(self, key: Keys, n: int, rendered: bytes, offsets: list[int], floor: int
+                        ) -> WarmStart | None:
         """Walks the prompt's stride boundaries, longest first, while a boundary could still beat the best
         found (a state that cannot be cut may serve less than the boundary it was found under)."""
         store, best = self.cache.store, None
@@ -186,27 +195,26 @@ class WarmStarts:
             if b <= max(floor, best.tokens if best else 0):
                 break
             store.counters.count("longest_prefix_probes")
-            hit = store.lookup(self.cache.key(rendered[: offsets[b]]))
+            hit = store.lookup(key(rendered[: offsets[b]]))
             if hit is not None and not self.memory.cuts_states and hit.n_tokens < hit.frontier < n:
-                hit = self._at_frontier(hit, rendered, offsets)
+                hit = self._at_frontier(key, hit, rendered, offsets)
             candidate = None if hit is None else self._stored(Route.LONGEST_PREFIX, hit, n)
             if candidate is not None and (best is None or candidate.tokens > best.tokens):
                 best = candidate
         return best
 
-    def _at_frontier(self, hit: Hit, rendered: bytes, offsets: list[int]) -> Hit | None:
+    def _at_frontier(self, key: Keys, hit: Hit, rendered: bytes, offsets: list[int]) -> Hit | None:
         """A state that cannot be cut, found under a probe point below its frontier (the walk's chunk boundary
         below it), serves the prompt only if the prompt holds its text up to the frontier: the prompt's own
         prefix there must lead to the same row (every row is indexed at its frontier)."""
-        there = self.cache.store.lookup(self.cache.key(rendered[: offsets[hit.frontier]]))
+        there = self.cache.store.lookup(key(rendered[: offsets[hit.frontier]]))
         return there if there is not None and there.row_key == hit.row_key else None
 
     def _remote(
-        self, n: int, rendered: bytes, offsets: list[int], parent_key: bytes | None, best: WarmStart
+        self, key: Keys, n: int, rendered: bytes, offsets: list[int], parent_key: bytes | None, best: WarmStart
     ) -> WarmStart:
         """After a local miss, the keys the local lookups tried (exact, parent, prefix boundaries above what
         is covered) go to the remote tier in one round trip; the usable hit that covers the most wins."""
-        key = self.cache.key
         probes = [(Route.EXACT, key(rendered))]
         if parent_key:
             probes.append((Route.RESUME, parent_key))
@@ -219,7 +227,7 @@ class WarmStarts:
         for (route, probe), hit in zip(probes, hits, strict=True):
             if hit is None or hit.n_tokens <= best.tokens:
                 continue
-            if route is Route.RESUME and not self._continues(hit, probe, rendered, offsets):
+            if route is Route.RESUME and not self._continues(key, hit, probe, rendered, offsets):
                 continue
             candidate = self._stored(route, hit, n)
             if candidate is not None and candidate.tokens > best.tokens:
@@ -228,18 +236,20 @@ class WarmStarts:
 
     # ---- applying ---------------------------------------------------------------------------
 
-    def claim(self, plan: WarmStart, idle: list[Sequence]) -> Sequence:
-        """The sequence the plan goes into: its live one, else an empty one if there is one, else the least
-        recently used idle one, saved then cleared."""
+    def claim(self, plan: WarmStart, idle: list[Sequence], namespace: Namespace) -> Sequence:
+        """The sequence the plan goes into, now the namespace's: its live one, else an empty one if there is one,
+        else the least recently used idle one, saved (in its own namespace) then cleared."""
         if plan.seq is not None:
             return plan.seq
         empty = [s for s in idle if not s.tokens]
         if empty:
-            return empty[0]
-        victim = min(idle, key=lambda s: s.last_used)
-        self.cache.save_sync(victim, SaveReason.EVICT)
-        self.backend.seq_rm(victim.id, 0, -1)
-        victim.clear()
+            victim = empty[0]
+        else:
+            victim = min(idle, key=lambda s: s.last_used)
+            self.cache.save_sync(victim, SaveReason.EVICT)
+            self.backend.seq_rm(victim.id, 0, -1)
+            victim.clear()
+        victim.namespace = namespace
         return victim
 
     def apply(self, plan: WarmStart, seq: Sequence, tokens: list[int]) -> int:
@@ -281,7 +291,7 @@ class WarmStarts:
             self._empty(seq)
         if plan.hit is None:
             return 0
-        with self._read(plan.hit) as ckpt:
+        with self._read(plan.hit, seq.namespace) as ckpt:
             k = 0 if ckpt is None else self._usable(ckpt, tokens)
             if k == 0:
                 return 0
@@ -300,13 +310,15 @@ class WarmStarts:
             return k
 
     @contextlib.contextmanager
-    def _read(self, hit: Hit) -> Iterator[Checkpoint | None]:
+    def _read(self, hit: Hit, namespace: Namespace) -> Iterator[Checkpoint | None]:
         """The hit's checkpoint, promoted to this model's tier; None when it cannot be read or belongs to
-        another model or context layout."""
+        another model, context layout or namespace (its key says so; checked again all the same)."""
         cache = self.cache
         with cache.store.restore(hit, promote_to=cache.tier) as ckpt:
-            if ckpt is not None and (ckpt.fingerprint != cache.fingerprint or ckpt.ctx_params != cache.ctx_params):
-                log.error("checkpoint %s belongs to another model or context layout; not restored", hit.row_key.hex())
+            if ckpt is not None and (ckpt.fingerprint != cache.fingerprint or ckpt.ctx_params != cache.ctx_params
+                                     or ckpt.namespace != namespace.digest):
+                log.error("checkpoint %s belongs to another model, context layout or namespace; not restored",
+                          hit.row_key.hex())
                 ckpt = None
             yield ckpt
 

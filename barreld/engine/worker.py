@@ -201,16 +201,17 @@ class ModelWorker:
         tokens, rendered, offsets = self._prompt(req.params)
         req.sampler = Sampler(req.params.sampling, self.backend.n_vocab, self.backend.vocab)
         req.sampler.history(tokens)
-        req.prompt_key = self.cache.key(rendered)
+        namespace = req.params.namespace
+        req.prompt_key = self.cache.key(rendered, namespace)
         t0 = time.perf_counter()
         idle = [s for s in self.seqs if s.idle]
-        plan = self.starts.find(tokens, rendered, offsets, req.params.parent_key, idle)
+        plan = self.starts.find(tokens, rendered, offsets, req.params.parent_key, idle, namespace)
         req.timings.lookup = time.perf_counter() - t0
-        held = [(LIVE, s.rendered) for s in self.seqs if s.tokens]
+        held = [(LIVE, s.rendered) for s in self.seqs if s.tokens and s.namespace == namespace]
         if req.params.explain:
             return self._explain(req, tokens, rendered, offsets, plan, held)
         closest = divergence(rendered, offsets, held) if plan.tokens < len(tokens) else None
-        seq = self.starts.claim(plan, idle)
+        seq = self.starts.claim(plan, idle, namespace)
         t1 = time.perf_counter()
         kept = self.starts.apply(plan, seq, tokens)
         while not kept and plan.fallback is not None:  # the row read did not hold the prompt's tokens
@@ -248,7 +249,7 @@ class ModelWorker:
         where it left the closest text held, stored rows included (read here, off the hot path). Nothing is
         claimed, prefilled or counted as a hit or a miss."""
         if plan.tokens < len(tokens):
-            stored = [(key.hex(), text) for key, text in self.cache.stored_texts(EXPLAIN_ROWS)]
+            stored = [(key.hex(), text) for key, text in self.cache.stored_texts(EXPLAIN_ROWS, req.params.namespace)]
             req.cache.divergence = divergence(rendered, offsets, [*held, *stored])
         self._report(req, plan, len(tokens), plan.tokens)
         req.events.put(Started(req.cache, req.prompt_tokens, req.prompt_key))
@@ -460,7 +461,7 @@ class ModelWorker:
             Done(
                 text=req.scanner.text,
                 finish_reason=reason,
-                key=self.cache.key(bytes(seq.rendered)),
+                key=self.cache.key(bytes(seq.rendered), seq.namespace),
                 prompt_key=req.prompt_key,
                 cache=req.cache,
                 prompt_tokens=req.prompt_tokens,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from barreld.cache.errors import IndexWriteError
+from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from barreld.engine.chat import Message
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.grammar import JSON_OBJECT, schema_grammar
@@ -73,6 +74,7 @@ def completion_params(
     chat_template: str | None = None,
     tools: ToolSpec | None = None,
     explain: bool = False,
+    namespace: Namespace = DEFAULT_NAMESPACE,
 ) -> CompletionParams:
     """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one
     (the sampler's were checked when `sampling` was made)."""
@@ -97,7 +99,18 @@ def completion_params(
         parent_key=parse_key(parent_key, "parent key") if parent_key else None,
         tools=tools,
         explain=explain,
+        namespace=namespace,
     )
+
+
+CACHE_SALT_MAX = 256
+
+
+def check_cache_salt(salt: str) -> str:
+    """A request's `cache_salt`: requests with different salts share nothing cached, within one tenant."""
+    if len(salt) > CACHE_SALT_MAX or "\0" in salt:
+        raise InvalidArgument(f"bad cache_salt: expected at most {CACHE_SALT_MAX} characters, no NUL")
+    return salt
 
 
 def constraint(grammar: str = "", json_schema: object = None, json_object: bool = False) -> str:

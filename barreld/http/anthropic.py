@@ -20,7 +20,7 @@ from barreld.engine.chat import MAX_MESSAGES, Message, check_tool_history
 from barreld.engine.request import Done, Started, Token
 from barreld.engine.tools import CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.http.openai import ApiRequest, Body, barrel_doc, sampling, stop_strings, utf8
+from barreld.http.openai import ApiRequest, Body, barrel_doc, cache_salt, sampling, stop_strings, utf8
 
 ROLES = ("user", "assistant", "system")  # Claude Code sends system turns inside messages
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {type: tool, name}: that tool
@@ -63,6 +63,7 @@ def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> ApiRequest
         parent_key="",
         tools=tools_of(body),
         capped=True,
+        cache_salt=cache_salt(body),
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import threading
@@ -35,6 +34,7 @@ from barreld.frontend.calls import Call, Deliver, Outcome, check_model_name, cli
 from barreld.frontend.metrics import CONTENT_TYPE, Metrics
 from barreld.http.anthropic import PING, MessagesReply, error_doc, event, parse_messages, resent_tool_use
 from barreld.http.openai import DONE_LINE, ApiRequest, Reply, parse_request
+from barreld.tenants import DEFAULT_TENANT, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,12 @@ class HttpApi:
         registry: ModelRegistry,
         metrics: Metrics,
         state: DaemonState,
-        api_keys: tuple[bytes, ...] = (),
+        tenants: Tenants | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.state = state
-        self.api_keys = api_keys
+        self.tenants = tenants or Tenants()
         routes = [
             Route("/health", self._guard(self.health, auth=False), methods=["GET"]),
             Route("/metrics", self._guard(self.metrics_text), methods=["GET"]),
@@ -122,13 +122,12 @@ class HttpApi:
     def _guard(
         self, handler: Callable[[Request], Awaitable[Response]], auth: bool = True, anthropic: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
-        """Checks the key, then runs the handler; whatever it raises is answered in the route's own shape
-        (OpenAI's, or Anthropic's for the Messages API)."""
+        """Checks the key and notes its tenant (`request.state.tenant`), then runs the handler; whatever it
+        raises is answered in the route's own shape (OpenAI's, or Anthropic's for the Messages API)."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                if auth:
-                    self._authorize(request)
+                request.state.tenant = self._authorize(request) if auth else DEFAULT_TENANT
                 return await handler(request)
             except ClientGone:
                 return Response(status_code=CLIENT_GONE)
@@ -137,23 +136,26 @@ class HttpApi:
 
         return endpoint
 
-    def _authorize(self, request: Request) -> None:
-        """The key as a bearer token or as Anthropic's x-api-key; every key is compared, in constant time
-        each, so the answer's timing tells nothing of the keys."""
-        if not self.api_keys:
-            return
+    def _authorize(self, request: Request) -> str:
+        """The tenant of the key sent as a bearer token or as Anthropic's x-api-key (see `Tenants.identify`);
+        without keys, the default tenant."""
+        if not self.tenants.guarded:
+            return DEFAULT_TENANT
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if "x-api-key" in request.headers:
             scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not given.strip():
             raise ApiError(401, "missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
                            code="invalid_api_key")
-        offered = given.strip().encode()
-        matched = False
-        for key in self.api_keys:
-            matched |= hmac.compare_digest(offered, key)
-        if not matched:
+        tenant = self.tenants.identify(given.strip().encode())
+        if tenant is None:
             raise ApiError(401, "invalid API key", code="invalid_api_key")
+        return tenant
+
+    def _owned(self, request: Request, req: ApiRequest) -> ApiRequest:
+        """The request in its tenant's namespace, with its salt: what it may find in the cache, and where its
+        states are stored."""
+        return dataclasses.replace(req, namespace=self.tenants.namespace(request.state.tenant, req.cache_salt))
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
         """Unknown paths and wrong methods, in the same error shape as everything else."""
@@ -201,13 +203,13 @@ class HttpApi:
 
     async def _complete(self, request: Request, chat: bool) -> Response:
         self._check_open()
-        req = parse_request(await read_json(request), chat)
+        req = self._owned(request, parse_request(await read_json(request), chat))
         return await self._run(request, req, lambda model: OpenAIStream(Reply(req, model)))
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API over the same calls as the OpenAI routes."""
         self._check_open()
-        req = parse_messages(await read_json(request))
+        req = self._owned(request, parse_messages(await read_json(request)))
         return await self._run(request, req, lambda model: AnthropicStream(MessagesReply(req, model)))
 
     async def count_tokens(self, request: Request) -> Response:

@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from barreld.engine.chat import Message, messages_from
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.engine.tools import CHOICES, CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.frontend.calls import completion_params, constraint
+from barreld.frontend.calls import check_cache_salt, completion_params, constraint
 
 COMPLETIONS_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 0.0
@@ -65,6 +66,8 @@ class ApiRequest:
     parent_key: str
     tools: ToolSpec | None = None
     capped: bool = False  # max_tokens above the model's n_ctx is cut to it, not refused
+    cache_salt: str = ""  # separates the caller's requests further within its tenant (vLLM's name)
+    namespace: Namespace = DEFAULT_NAMESPACE  # the tenant and salt, set once the key is known
 
     def params(self, n_ctx: int) -> CompletionParams:
         """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx. A grammar is
@@ -79,6 +82,7 @@ class ApiRequest:
             stop=self.stop,
             parent_key=self.parent_key,
             tools=self.tools,
+            namespace=self.namespace,
         )
 
 
@@ -118,7 +122,12 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         stop=stop_strings(body),
         parent_key=body.get("parent_key", str, "a string of 64 hex digits") or "",
         tools=_tools(body) if chat else None,
+        cache_salt=cache_salt(body),
     )
+
+
+def cache_salt(body: Body) -> str:
+    return check_cache_salt(body.get("cache_salt", str, "a string") or "")
 
 
 def _tools(body: Body) -> ToolSpec | None:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat", "messages", "chat_template", "sampling", "logprobs", "explain")
+    __slots__ = ("model", "prompt", "max_tokens", "temperature", "seed", "stop", "parent_key", "chat", "messages", "chat_template", "sampling", "logprobs", "explain", "cache_salt", "tenant")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class CompleteRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: bytes
     max_tokens: int
@@ -34,7 +36,9 @@ class CompleteRequest(_message.Message):
     sampling: Sampling
     logprobs: int
     explain: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., chat_template: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., logprobs: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    tenant: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., parent_key: _Optional[str] = ..., chat: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., chat_template: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., logprobs: _Optional[int] = ..., explain: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "logit_bias", "grammar", "json_schema", "json_object")
@@ -344,7 +348,7 @@ class ListModelsReply(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CacheRow(_message.Message):
-    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location", "memory", "frontier", "blocks", "own_bytes", "shared_bytes")
+    __slots__ = ("key", "model", "tier", "size", "tokens", "text_bytes", "save_reason", "status", "refcount", "hits", "last_used", "created", "location", "memory", "frontier", "blocks", "own_bytes", "shared_bytes", "tenant", "namespace")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +367,8 @@ class CacheRow(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     key: str
     model: str
     tier: str
@@ -381,15 +387,19 @@ class CacheRow(_message.Message):
     blocks: int
     own_bytes: int
     shared_bytes: int
-    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ..., memory: _Optional[str] = ..., frontier: _Optional[int] = ..., blocks: _Optional[int] = ..., own_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
+    tenant: str
+    namespace: str
+    def __init__(self, key: _Optional[str] = ..., model: _Optional[str] = ..., tier: _Optional[str] = ..., size: _Optional[int] = ..., tokens: _Optional[int] = ..., text_bytes: _Optional[int] = ..., save_reason: _Optional[str] = ..., status: _Optional[str] = ..., refcount: _Optional[int] = ..., hits: _Optional[int] = ..., last_used: _Optional[float] = ..., created: _Optional[float] = ..., location: _Optional[str] = ..., memory: _Optional[str] = ..., frontier: _Optional[int] = ..., blocks: _Optional[int] = ..., own_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class CacheDumpRequest(_message.Message):
-    __slots__ = ("model", "tier")
+    __slots__ = ("model", "tier", "tenant")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     model: str
     tier: str
-    def __init__(self, model: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, model: _Optional[str] = ..., tier: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CacheDumpReply(_message.Message):
     __slots__ = ("rows",)

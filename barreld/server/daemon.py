@@ -20,6 +20,7 @@ from barreld.lifecycle import DataDirLock, ShutdownSignal, StartupError, notify_
 from barreld.pressure.scheduler import PressureScheduler
 from barreld.pressure.sources import make_source
 from barreld.server.grpc_server import GrpcServer
+from barreld.server.peers import Peers
 from barreld.server.servicer import Servicer
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class Daemon:
         self.registry: ModelRegistry | None = None
         self.server: GrpcServer | None = None
         self.servicer: Servicer | None = None
+        self.peers: Peers | None = None
         self.http: HttpServer | None = None
         self.ready = threading.Event()  # the configured models are loaded
         self.previous_death: Death | None = None  # how the last daemon on this socket ended, if it died
@@ -71,6 +73,7 @@ class Daemon:
                                       reuse_probe=ReuseProbe())
         self.scheduler = self._start_scheduler()
         metrics = Metrics(self.store, self.registry.models)
+        self.peers = Peers(self.socket, group)
         self.servicer = Servicer(
             self.registry,
             self.store,
@@ -82,9 +85,12 @@ class Daemon:
             request_shutdown=self.signal.request,
             metrics=metrics,
             http_address=str(self.http.address) if self.http else "",
+            peers=self.peers,
+            tenants=self.config.http.tenants,
         )
         self.server = GrpcServer(self.servicer, self.socket, group=group)
         self.server.start()
+        self.peers.start()  # in the directory the server has prepared
         self._take_over_run_record()  # beside the socket, whose directory the server has made
         if self.http is not None:
             self._start_http(metrics)
@@ -99,7 +105,7 @@ class Daemon:
             return None
         from barreld.http.server import HttpServer, check_exposure
 
-        check_exposure(http.listen, bool(http.api_keys))
+        check_exposure(http.listen, http.tenants.guarded)
         server = HttpServer(http.listen, group=group)
         server.bind()
         return server
@@ -109,7 +115,7 @@ class Daemon:
 
         death = self.previous_death.sentence() if self.previous_death else None
         state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.servicer.stopping, previous_death=death)
-        api = HttpApi(self.registry, metrics, state, self.config.http.api_keys)
+        api = HttpApi(self.registry, metrics, state, self.config.http.tenants)
         self.http.start(api.app)
 
     def _open_store(self):
@@ -180,6 +186,8 @@ class Daemon:
         notify_systemd("STOPPING=1")
         self.servicer.stopping = True
         self.server.stop_accepting()
+        if self.peers is not None:
+            self.peers.stop()
         if self.http is not None:
             self.http.stop_accepting()
         stopper = threading.Thread(target=self.server.stop, args=(5.0,), daemon=True)

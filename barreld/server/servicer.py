@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 
 import barreld
+from barreld.cache.key import Namespace
 from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.engine.tools import format_of
-from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from barreld.frontend.calls import (
+    check_cache_salt,
     check_model_name,
     completion_params,
     constraint,
@@ -32,11 +34,13 @@ from barreld.names import REDIS_TIER, TIER_NAMES, Fingerprint
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.status import rpc
+from barreld.tenants import DEFAULT_TENANT, Tenants, label
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
     from barreld.cache.remote.tier import RemoteTier
     from barreld.frontend.metrics import Metrics
+    from barreld.server.peers import Peers
 
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
@@ -82,7 +86,7 @@ def load_fingerprint(text: str, default: Fingerprint) -> Fingerprint:
         raise InvalidArgument(f"bad fingerprint {show(text)}: {exc}") from None
 
 
-def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
+def grpc_params(req: pb.CompleteRequest, n_ctx: int, namespace: Namespace) -> CompletionParams:
     return completion_params(
         n_ctx=n_ctx,
         prompt=req.prompt,
@@ -95,6 +99,7 @@ def grpc_params(req: pb.CompleteRequest, n_ctx: int) -> CompletionParams:
         stop=req.stop,
         parent_key=req.parent_key,
         explain=req.explain,
+        namespace=namespace,
     )
 
 
@@ -193,6 +198,8 @@ class Servicer(pb_grpc.BarrelServicer):
         request_shutdown: Callable[[], None],
         metrics: Metrics | None = None,
         http_address: str = "",
+        peers: Peers | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.registry = registry
         self.store = store
@@ -204,6 +211,8 @@ class Servicer(pb_grpc.BarrelServicer):
         self.request_shutdown = request_shutdown
         self.metrics = metrics
         self.http_address = http_address
+        self.peers = peers  # None: every caller is the daemon's own user (a private socket, in tests)
+        self.tenants = tenants or Tenants()
         self.started = time.time()
         self.stopping = False
 
@@ -211,11 +220,31 @@ class Servicer(pb_grpc.BarrelServicer):
         if self.stopping:
             raise Unavailable("barreld is shutting down; retry in a moment")
 
+    def _tenant(self, context: grpc.ServicerContext) -> str:
+        return DEFAULT_TENANT if self.peers is None else self.peers.tenant(context)
+
+    def _operator(self, context: grpc.ServicerContext, what: str) -> None:
+        """Only the daemon's own user (or root) may `what`: it touches every tenant's rows, or the daemon."""
+        if self.peers is not None and not self.peers.operator(context):
+            raise PermissionDenied(f"only the daemon's user (uid {self.peers.owner}) or root may {what}")
+
+    def _namespace(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> Namespace:
+        """The caller's namespace with the request's salt; a keys file's tenant's, when the operator asks."""
+        salt = check_cache_salt(request.cache_salt)
+        if not request.tenant:
+            return Namespace.of(self._tenant(context), salt)
+        self._operator(context, "act as another tenant")
+        if request.tenant not in self.tenants.names:
+            raise InvalidArgument(f"no tenant {show(request.tenant)} in the HTTP keys file; "
+                                  f"its tenants: {', '.join(self.tenants.names) or 'none'}")
+        return self.tenants.namespace(request.tenant, salt)
+
     @rpc
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[pb.CompleteEvent]:
         self._check_open()
+        namespace = self._namespace(request, context)
         call = start_call(
-            self.registry, request.model, lambda n_ctx: grpc_params(request, n_ctx), self.metrics, "grpc"
+            self.registry, request.model, lambda n_ctx: grpc_params(request, n_ctx, namespace), self.metrics, "grpc"
         )
         context.add_callback(call.cancel)
         for ev in call:
@@ -262,6 +291,7 @@ class Servicer(pb_grpc.BarrelServicer):
     @rpc
     def UnloadModel(self, request: pb.UnloadModelRequest, context: grpc.ServicerContext) -> pb.UnloadModelReply:
         check_model_name(request.name)
+        self._operator(context, "unload a model")
         return pb.UnloadModelReply(saved=self.registry.unload(request.name))
 
     @rpc
@@ -303,10 +333,18 @@ class Servicer(pb_grpc.BarrelServicer):
     def CacheDump(self, request: pb.CacheDumpRequest, context: grpc.ServicerContext) -> pb.CacheDumpReply:
         if request.tier:
             check_tier(request.tier, remote=True)
+        tenant = request.tenant if request.HasField("tenant") else None
+        caller = self._tenant(context)
+        if self.peers is not None and not self.peers.operator(context):
+            if tenant not in (None, caller):
+                raise PermissionDenied(f"you see your own rows only (tenant {label(caller)})")
+            tenant = caller
         if request.tier == REDIS_TIER:
+            if tenant is not None:
+                raise FailedPrecondition("the redis tier's rows are listed whole, to the daemon's user only")
             rows = self._reached(self._remote().dump(self._fingerprints(request.model)))
         else:
-            rows = self._cache().dump(model=request.model or None, tier=request.tier or None)
+            rows = self._cache().dump(model=request.model or None, tier=request.tier or None, tenant=tenant)
         return pb.CacheDumpReply(rows=[pb.CacheRow(**{**r, "location": r["location"] or ""}) for r in rows])
 
     @rpc
@@ -323,6 +361,7 @@ class Servicer(pb_grpc.BarrelServicer):
 
     @rpc
     def CacheGc(self, request: pb.CacheGcRequest, context: grpc.ServicerContext) -> pb.CacheGcReply:
+        self._operator(context, "evict rows")
         local, remote = split_tiers(list(request.tiers))
         evicted = self._cache().gc(local) if local != [] else 0
         if remote:
@@ -335,6 +374,7 @@ class Servicer(pb_grpc.BarrelServicer):
     ) -> pb.CacheEvictBytesReply:
         if request.bytes < 0:
             raise InvalidArgument(f"bad size {request.bytes}: must be >= 0")
+        self._operator(context, "evict rows")
         local, remote = split_tiers(list(request.tiers))
         evicted, freed = self._cache().evict_bytes(request.bytes, local) if local != [] else (0, 0)
         if remote and freed < request.bytes:  # the local tiers named go first: they are this host's own
@@ -384,5 +424,6 @@ class Servicer(pb_grpc.BarrelServicer):
 
     @rpc
     def Shutdown(self, request, context) -> pb.ShutdownReply:
+        self._operator(context, "stop the daemon")
         self.request_shutdown()
         return pb.ShutdownReply()

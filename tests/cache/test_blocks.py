@@ -236,13 +236,16 @@ def test_an_index_of_format_2_is_read_as_whole_state_rows(bstore, caplog: pytest
         raw = txn.get(c.key, db=rows)
         head = row_codec._ROW_HEAD.unpack_from(raw)
         assert head[12:] == (0, 0)
-        txn.put(c.key, row_codec._ROW_HEAD_2.pack(2, *head[1:12]) + raw[row_codec._ROW_HEAD.size :], db=rows)
+        at = row_codec._ROW_HEAD.size
+        strings = b"\0".join(raw[at : at + head[9]].split(b"\0")[:6])  # format 2 knew no tenants
+        txn.put(c.key, row_codec._ROW_HEAD_2.pack(2, *head[1:9], len(strings), *head[10:12]) + strings
+                + raw[at + head[9] :], db=rows)
         txn.put(b"format", (2).to_bytes(4, "little"), db=env.open_db(b"meta", txn=txn))
     env.close()
     with caplog.at_level("WARNING", logger="barreld.cache"):
         store = bstore()
     assert [r.message for r in caplog.records if "format" in r.message] == [
-        "the cache index is in format 2: 1 rows rewritten in format 3, 0 dropped (a file whose row is gone is "
+        "the cache index is in format 2: 1 rows rewritten in format 4, 0 dropped (a file whose row is gone is "
         "verified and adopted at open)"]
     assert restored(store, c) == bytes(c.state) and store.check() == []
 

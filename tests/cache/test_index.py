@@ -349,7 +349,7 @@ def _to_format_1(data: Path) -> None:
         aliases = env.open_db(b"aliases", txn=txn, dupsort=True)
         rows = [Row.decode(k, v) for k, v in txn.cursor(db=rows_db)]
         for row in rows:
-            d = {f: getattr(row, f) for f in Row.__dataclass_fields__ if f != "key"}
+            d = {f: getattr(row, f) for f in Row.__dataclass_fields__ if f not in ("key", "tenant", "namespace")}
             d["aliases"] = [[a.hex(), n] for a, n in row.aliases]
             txn.put(row.key, json.dumps(d).encode(), db=rows_db)
             for a, n in row.aliases:
@@ -372,7 +372,7 @@ def test_a_format_1_index_is_read_with_one_log_line(
     with caplog.at_level(logging.INFO, logger="barreld.cache"):
         store = stores()
     lines = [r.getMessage() for r in caplog.records if "format" in r.getMessage()]
-    assert lines == ["the cache index is in format 1: 20 rows rewritten in format 3, 1 dropped (a file whose "
+    assert lines == ["the cache index is in format 1: 20 rows rewritten in format 4, 1 dropped (a file whose "
                      "row is gone is verified and adopted at open)"]
     assert store.dump() == before  # every field, and the LRU order, as before
     hit = store.lookup(SHARED)
@@ -406,7 +406,7 @@ def test_an_unknown_index_format_is_dropped_and_its_files_adopted(
         store, stores, caplog, lambda txn, db: txn.put(b"format", (99).to_bytes(4, "little"), db=db.meta)
     )
     assert logged == [
-        "the cache index is in format 99, which this version cannot read: 0 rows rewritten in format 3, 5 "
+        "the cache index is in format 99, which this version cannot read: 0 rows rewritten in format 4, 5 "
         "dropped (a file whose row is gone is verified and adopted at open)"
     ]
     assert store.last_reconcile is not None and store.last_reconcile.adopted == 5

@@ -190,6 +190,8 @@ def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:
             "blocks",
             "own_bytes",
             "shared_bytes",
+            "tenant",
+            "namespace",
         }
     ] * 2
     by_tier = {r["tier"]: r for r in rows}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from barreld.cache.key import DEFAULT_NAMESPACE as DEFAULT
 from barreld.cache.key import fingerprint_gguf
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -84,7 +85,8 @@ def test_keys_follow_the_file_and_the_context_not_the_name(engine: Engine, tmp_p
     engine.load("streams", n_seq_max=2)
     other = write_gguf(tmp_path / "other.gguf", "other")
     engine.registry.load("other", opts(other))
-    key = {name: engine.registry.get(name).worker.cache.key(b"x") for name in ("m", "same", "streams", "other")}
+    key = {name: engine.registry.get(name).worker.cache.key(b"x", DEFAULT)
+           for name in ("m", "same", "streams", "other")}
     assert key["m"] == key["same"] and len(set(key.values())) == 3
     a = plain(40, 1)
     first = engine.run(a)
@@ -145,7 +147,7 @@ def test_a_knob_changes_the_key_exactly_when_it_changes_the_state(
     path = write_gguf(tmp_path / "a.gguf")
     base = registry.load("base", opts(path)).worker.cache
     other = registry.load("other", opts(path, **{option: value})).worker.cache
-    assert (base.key(b"x") != other.key(b"x")) is changes
+    assert (base.key(b"x", DEFAULT) != other.key(b"x", DEFAULT)) is changes
 
 
 def test_swa_full_is_on_by_default_and_in_the_key_of_a_sliding_window_model(
@@ -155,7 +157,8 @@ def test_swa_full_is_on_by_default_and_in_the_key_of_a_sliding_window_model(
     default = registry.load("default", opts(path))
     on, off = registry.load("on", opts(path, swa_full=True)), registry.load("off", opts(path, swa_full=False))
     assert default.memory.swa_full and not off.memory.swa_full and default.memory.window == 16
-    assert default.worker.cache.key(b"x") == on.worker.cache.key(b"x") != off.worker.cache.key(b"x")
+    keys = [m.worker.cache.key(b"x", DEFAULT) for m in (default, on, off)]
+    assert keys[0] == keys[1] != keys[2]
 
 
 def test_close_unloads_every_model_and_counts_its_shutdown_saves(engine: Engine) -> None:

@@ -135,7 +135,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
     ("barreld", "barreld.names", "barreld.errors", "barreld.sizes", "barreld.paths", "barreld.deaths",
      "barreld.address", "barreld.lifecycle", "barreld.rpc"),
     ("barreld.cache", "barreld.pressure"),  # the cache core (plain Python); memory pressure readings
-    ("barreld.engine",),  # llama.cpp, the lookup routes, the save policy, sampling
+    ("barreld.engine", "barreld.tenants"),  # llama.cpp, the lookup routes, the save policy, sampling; who asks
     ("barreld.config", "barreld.frontend"),  # the config file; what both front ends share
     ("barreld.http",),  # the HTTP front end
     ("barreld.server",),  # the gRPC front end, and the Daemon that wires both front ends

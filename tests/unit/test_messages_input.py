@@ -10,6 +10,7 @@ import pytest
 
 from barrelctl.conversation import parse_messages, write_messages
 from barrelctl.errors import CliError
+from barreld.cache.key import DEFAULT_NAMESPACE
 from barreld.engine.chat import Message
 from barreld.errors import InvalidArgument
 from barreld.frontend.calls import MAX_TEMPLATE
@@ -121,13 +122,13 @@ USER = [pb.Message(role="user", content="hi")]
 ])
 def test_the_daemon_checks_a_requests_messages(fields: dict, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        grpc_params(_request(**fields), 4096)
+        grpc_params(_request(**fields), 4096, DEFAULT_NAMESPACE)
     assert says in str(caught.value)
 
 
 def test_messages_reach_the_engine_with_their_template() -> None:
-    params = grpc_params(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), 4096)
+    params = grpc_params(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), 4096, DEFAULT_NAMESPACE)
     assert params.messages == (Message("user", "hi"),)
     assert params.chat_template == "{{ 1 }}"
-    assert grpc_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096).chat_template == "t"
-    assert grpc_params(_request(prompt=b"x"), 4096).chat_template is None
+    assert grpc_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096, DEFAULT_NAMESPACE).chat_template == "t"
+    assert grpc_params(_request(prompt=b"x"), 4096, DEFAULT_NAMESPACE).chat_template is None
