@@ -169,3 +169,12 @@ def stops_problem(stops: tuple[str, ...] | list[str]) -> str | None:
 def alias_problem(pattern: str) -> str | None:
     """Why `pattern` cannot be a model's alias, or None when it can."""
     return None if ALIAS.fullmatch(pattern) else f"use {ALIAS_RULE}"
+
+
+DEFAULT_TENANT = ""  # the daemon's own user, and an HTTP listener without keys
+DEFAULT_TENANT_LABEL = "default"  # how the default tenant is shown to people
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant as a table or a message shows it."""
+    return tenant or DEFAULT_TENANT_LABEL

@@ -19,16 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from barreld.cache.key import Namespace
+from barreld.names import DEFAULT_TENANT, DEFAULT_TENANT_LABEL, tenant_label
 
-DEFAULT_TENANT = ""
-DEFAULT_LABEL = "default"  # how the default tenant is shown to people
 PLAIN_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 SHARED_PREFIX = "shared:"
-
-
-def label(tenant: str) -> str:
-    """A tenant as a table shows it."""
-    return tenant or DEFAULT_LABEL
 
 
 def uid_tenant(uid: int, owner: int) -> str:
@@ -69,8 +63,8 @@ def load_keys(path: Path) -> tuple[TenantKey, ...]:
         entry = _entry(line, f"{path}:{number}")
         seen = first_line.setdefault(entry.key, (number, entry.tenant))
         if seen[1] != entry.tenant:
-            raise ValueError(f"{path}:{number}: this key is also tenant {label(seen[1])!r}'s (line {seen[0]}); "
-                             "a key belongs to one tenant")
+            raise ValueError(f"{path}:{number}: this key is on line {seen[0]} too, in tenant "
+                             f"{tenant_label(seen[1])!r}; a key belongs to one tenant")
         if seen[0] == number:
             keys.append(entry)
     if not keys:
@@ -90,8 +84,8 @@ def _entry(line: str, where: str) -> TenantKey:
         raise ValueError(f"{where}: no key after the tenant name; write NAME: KEY")
     if len(key.split()) != 1:
         raise ValueError(f"{where}: a key must not contain spaces; write one key a line, as KEY or NAME: KEY")
-    if name == DEFAULT_LABEL:
-        raise ValueError(f"{where}: the tenant name {DEFAULT_LABEL!r} is reserved for the daemon's own user; "
+    if name == DEFAULT_TENANT_LABEL:
+        raise ValueError(f"{where}: the tenant name {DEFAULT_TENANT_LABEL!r} is reserved for the daemon's own user; "
                          "choose another")
     encoded = key.encode()
     return TenantKey(name or bare_key_tenant(encoded), encoded)

@@ -255,10 +255,11 @@ class ServerProcess:
         return sse_events(self.port, path, body, self.name)
 
 
-def sse_events(port: int, path: str, body: dict, who: str) -> Iterator[dict]:
-    """POSTs `body` as JSON to a streaming endpoint on loopback; the data of each server-sent event."""
+def sse_events(port: int, path: str, body: dict, who: str, headers: dict[str, str] | None = None) -> Iterator[dict]:
+    """POSTs `body` as JSON (with `headers` besides, an API key say) to a streaming endpoint on loopback; the data
+    of each server-sent event."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"{who} answered {resp.status}: {resp.read()[:500]!r}")

@@ -147,12 +147,13 @@ class Reply:
     restored: int  # usage.prompt_tokens_details.cached_tokens
     prefilled: int  # Barrel: barrel.cache.prefilled_tokens; llama-server: timings.prompt_n
     detail: str  # Barrel: its lookup route and tier; llama-server: timings.cache_n
+    divergence: dict | None = None  # Barrel: barrel.cache.divergence, where it compared the prompt with a text
 
 
-def stream(port: int, path: str, body: dict, who: str) -> Reply:
+def stream(port: int, path: str, body: dict, who: str, headers: dict[str, str] | None = None) -> Reply:
     t0 = time.perf_counter()
     first, text, usage, timings, barrel = None, [], {}, {}, {}
-    for chunk in sse_events(port, path, body, who):
+    for chunk in sse_events(port, path, body, who, headers):
         choice = chunk["choices"][0] if chunk.get("choices") else {}
         piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
         if piece:
@@ -166,7 +167,8 @@ def stream(port: int, path: str, body: dict, who: str) -> Reply:
     if barrel:
         cache = barrel["cache"]
         return Reply(ttft, "".join(text), usage.get("prompt_tokens", 0), cache["restored_tokens"],
-                     cache["prefilled_tokens"], cache["path"] + (f" from {cache['tier']}" if cache.get("tier") else ""))
+                     cache["prefilled_tokens"], cache["path"] + (f" from {cache['tier']}" if cache.get("tier") else ""),
+                     cache.get("divergence"))
     restored = timings.get("cache_n", 0)
     return Reply(ttft, "".join(text), usage.get("prompt_tokens", restored + timings.get("prompt_n", 0)),
                  restored if cached is None else cached, timings.get("prompt_n", 0), f"cache_n {restored}")

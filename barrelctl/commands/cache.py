@@ -14,7 +14,7 @@ from barrelctl.commands.complete import done_json
 from barrelctl.conversation import read_messages
 from barrelctl.errors import EXIT_USAGE, CliError
 from barrelctl.state import JsonOpt
-from barreld.names import REDIS_TIER, TIER_NAMES
+from barreld.names import DEFAULT_TENANT_LABEL, REDIS_TIER, TIER_NAMES, tenant_label
 from barreld.sizes import parse_size
 
 app = typer.Typer(help="Inspect the KV cache and free space.", no_args_is_help=True)
@@ -44,19 +44,24 @@ def row_json(r) -> dict:
 def cache_dump(
     model: Annotated[str | None, typer.Option("--model", help="Only rows of this model.")] = None,
     tier: Annotated[str | None, typer.Option("--tier", help=f"Only rows in this tier: {TIER_HELP}.")] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's rows: a keys file's name, "
+                                                                "uid:N, or 'default' (the daemon's own user).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List every index row (with --tier redis, the shared tier's rows)."""
-    rows = [row_json(r) for r in state.client().cache_dump(model=model or "", tier=_tier(tier))]
+    """List every index row you may see (with --tier redis, the shared tier's rows). The daemon's own user
+    sees every tenant's; another user of a shared socket, only its own."""
+    wanted = None if tenant is None else "" if tenant == DEFAULT_TENANT_LABEL else tenant
+    rows = [row_json(r) for r in state.client().cache_dump(model=model or "", tier=_tier(tier), tenant=wanted)]
     if state.want_json(json_out):
         render.print_json({"rows": rows})
         return
     render.table(
         f"{len(rows)} rows ({render.size(sum(r['size'] for r in rows))})",
-        ("key", "model", "memory", "tier", "own", "shared", "tokens", "reason", "refs", "hits", "last used"),
+        ("key", "tenant", "model", "memory", "tier", "own", "shared", "tokens", "reason", "refs", "hits", "last used"),
         (
             (
                 r["key"][:12],
+                tenant_label(r["tenant"]) + (f" ({r['namespace'][:6]})" if r["namespace"] and r["tenant"] else ""),
                 r["model"],
                 r["memory"],
                 r["tier"],
@@ -147,14 +152,17 @@ def cache_explain(
                                                               "chat template.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Render the prompt as one user turn.")] = False,
     parent_key: Annotated[str | None, typer.Option("--parent-key", help="The previous turn's `key`.")] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="As this tenant of the HTTP keys file (the "
+                                                                "daemon's own user only).")] = None,
+    cache_salt: Annotated[str | None, typer.Option("--cache-salt", help="With the requests' cache_salt.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Say what a completion of FILE would restore and, short of all of it, where it leaves the closest text
-    the model holds (a live sequence or a stored row), without running it."""
+    your tenant holds (a live sequence or a stored row), without running it."""
     convo = read_messages(file) if messages else ()
     text = b"" if messages else _read_file(file)
     done = state.client().complete(text, model=model or "", chat=chat, messages=convo, parent_key=parent_key or "",
-                                   explain=True).result()
+                                   explain=True, tenant=tenant or "", cache_salt=cache_salt or "").result()
     doc = {k: v for k, v in done_json(done).items() if k in ("model", "prompt_key", "cache", "tokens")}
     if state.want_json(json_out):
         render.print_json(doc)

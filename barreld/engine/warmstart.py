@@ -93,7 +93,7 @@ class WarmStarts:
         """
         best = WarmStart()
         key: Keys = lambda text: self.cache.key(text, namespace)  # noqa: E731 - one key function per lookup
-        for seq in (s for s in idle if s.namespace == namespace):
+        for seq in (s for s in idle if s.namespace.digest == namespace.digest):
             candidate = self._live_offer(seq, tokens)
             if candidate.tokens > best.tokens:
                 best = candidate
@@ -240,9 +240,8 @@ class WarmStarts:
         """The sequence the plan goes into, now the namespace's: its live one, else an empty one if there is one,
         else the least recently used idle one, saved (in its own namespace) then cleared."""
         if plan.seq is not None:
-            return plan.seq
-        empty = [s for s in idle if not s.tokens]
-        if empty:
+            victim = plan.seq  # its namespace's, or its group's: what it saves next is the request's tenant's
+        elif empty := [s for s in idle if not s.tokens]:
             victim = empty[0]
         else:
             victim = min(idle, key=lambda s: s.last_used)

@@ -207,7 +207,7 @@ class ModelWorker:
         idle = [s for s in self.seqs if s.idle]
         plan = self.starts.find(tokens, rendered, offsets, req.params.parent_key, idle, namespace)
         req.timings.lookup = time.perf_counter() - t0
-        held = [(LIVE, s.rendered) for s in self.seqs if s.tokens and s.namespace == namespace]
+        held = [(LIVE, s.rendered) for s in self.seqs if s.tokens and s.namespace.digest == namespace.digest]
         if req.params.explain:
             return self._explain(req, tokens, rendered, offsets, plan, held)
         closest = divergence(rendered, offsets, held) if plan.tokens < len(tokens) else None

@@ -34,7 +34,8 @@ from barreld.frontend.calls import Call, Deliver, Outcome, check_model_name, cli
 from barreld.frontend.metrics import CONTENT_TYPE, Metrics
 from barreld.http.anthropic import PING, MessagesReply, error_doc, event, parse_messages, resent_tool_use
 from barreld.http.openai import DONE_LINE, ApiRequest, Reply, parse_request
-from barreld.tenants import DEFAULT_TENANT, Tenants
+from barreld.names import DEFAULT_TENANT
+from barreld.tenants import Tenants
 
 log = logging.getLogger(__name__)
 

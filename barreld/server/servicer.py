@@ -30,11 +30,11 @@ from barreld.frontend.calls import (
     show,
     start_call,
 )
-from barreld.names import REDIS_TIER, TIER_NAMES, Fingerprint
+from barreld.names import DEFAULT_TENANT, REDIS_TIER, TIER_NAMES, Fingerprint, tenant_label
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.status import rpc
-from barreld.tenants import DEFAULT_TENANT, Tenants, label
+from barreld.tenants import Tenants
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
@@ -337,7 +337,7 @@ class Servicer(pb_grpc.BarrelServicer):
         caller = self._tenant(context)
         if self.peers is not None and not self.peers.operator(context):
             if tenant not in (None, caller):
-                raise PermissionDenied(f"you see your own rows only (tenant {label(caller)})")
+                raise PermissionDenied(f"you see your own rows only (tenant {tenant_label(caller)})")
             tenant = caller
         if request.tier == REDIS_TIER:
             if tenant is not None:

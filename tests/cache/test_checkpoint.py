@@ -17,6 +17,7 @@ from barreld.cache import (
     encode_parts,
     encoded_size,
 )
+from barreld.cache.key import Namespace
 from barreld.names import SAVE_REASONS
 
 from .conftest import SCHEME
@@ -107,6 +108,19 @@ def test_key_is_recomputed_from_contents() -> None:
     # A valid file (good checksum) whose claimed key does not match its prompt is caught too.
     with pytest.raises(CorruptCheckpoint):
         decode(encode(ckpt)).check_key()
+
+
+def test_a_tenants_checkpoint_keeps_its_namespace_and_its_key_proves_it() -> None:
+    ns = Namespace.of("alice", "end-user-7")
+    scheme = SCHEME.within(ns.digest)
+    ckpt = Checkpoint.build(scheme, "m", b"hi", [1, 2], "finish", bytes(100), tenant=ns.tenant)
+    got = decode(encode(ckpt))
+    assert (got.tenant, got.namespace, got.key) == ("alice", ns.digest, scheme.key(b"hi"))
+    got.check_key()
+    got.namespace = Namespace.of("bob").digest  # the same text under another tenant's namespace
+    with pytest.raises(CorruptCheckpoint):
+        got.check_key()
+    assert decode(encode(small_ckpt())).namespace == b""  # a default-namespace file is written as before
 
 
 def test_bad_inputs_are_refused_before_writing() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from barreld.cache import CtxParams, KeyScheme, fingerprint_gguf
+from barreld.cache.key import Namespace
 
 CTX = CtxParams(1, 1, 1, False, 10000.0, 1.0, True, False)
 SCHEME = KeyScheme(bytes(range(32)), "Q4_1", CTX.encode())
@@ -231,3 +232,21 @@ def test_block_key_layout_is_the_documented_one() -> None:
                 KeyScheme(bytes(32), "Q4_1", CTX.encode()).block_key(parent, [7, -1])}) == 4
     with pytest.raises(ValueError, match="32 bytes"):
         SCHEME.block_key(b"short", [1])
+
+
+def test_a_namespace_prefixes_every_key_and_block_key_and_the_default_adds_nothing() -> None:
+    ns = Namespace.of("alice")
+    alice = SCHEME.within(ns.digest)
+    assert SCHEME.within(b"") is SCHEME and alice is SCHEME.within(ns.digest)  # kept, not rebuilt
+    tag = b"BRLNS\0\1" + ns.digest
+    fields = bytes(range(32)) + b"Q4_1" + b"\0" * 12 + struct.pack("<I", 40) + CTX.encode()
+    assert alice.key(b"prompt") == hashlib.sha256(tag + fields + b"prompt").digest()
+    parent = bytes(range(100, 132))
+    block = b"BRLBLK\0\1" + tag + fields + parent + struct.pack("<I", 1) + struct.pack("<i", 7)
+    assert alice.block_key(parent, [7]) == hashlib.sha256(block).digest()
+    bob = SCHEME.within(Namespace.of("bob").digest)
+    for text in GOLDEN_KEYS:
+        assert len({SCHEME.key(text), alice.key(text), bob.key(text)}) == 3
+    assert len({s.block_key(parent, [7]) for s in (SCHEME, alice, bob)}) == 3
+    with pytest.raises(ValueError, match="namespace digest is 32 bytes"):
+        KeyScheme(bytes(32), "q", b"", b"short")

@@ -13,6 +13,7 @@ import pytest
 
 from barreld.cache import CacheStore, Checkpoint, StoreLocked, TierConfig, encoded_size
 from barreld.cache import tiers as tiers_mod
+from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from tests.faultd import write_fault
 
 from .conftest import SCHEME, flip_byte, make_ckpt
@@ -164,6 +165,27 @@ def test_evict_bytes_is_lru_across_tiers(store: CacheStore) -> None:
     with pytest.raises(ValueError):
         store.evict_bytes(1, ["tape"])
     assert store.counters["evictions"] == 2
+
+
+def test_rows_keep_their_tenant_across_a_reopen_and_dump_and_texts_keep_to_one(store_factory) -> None:
+    store = store_factory()
+    alice, bob = Namespace.of("alice"), Namespace.of("bob", "salted")
+    for ns in (alice, bob, DEFAULT_NAMESPACE):
+        ckpt = Checkpoint.build(SCHEME.within(ns.digest), "test-model", b"the same text", [1, 2, 3], "cold",
+                                bytes(300), tenant=ns.tenant)
+        assert store.save(ckpt, "disk", sync=True).status == "published"
+    store.close()
+    store = store_factory()  # the rows as the index stored them, in format 4
+    rows = store.dump()
+    assert sorted((r["tenant"], r["namespace"]) for r in rows) == sorted(
+        (ns.tenant, ns.short) for ns in (alice, bob, DEFAULT_NAMESPACE))
+    assert [r["tenant"] for r in store.dump(tenant="alice")] == ["alice"] and store.dump(tenant="carol") == []
+    keys = {ns.tenant: SCHEME.within(ns.digest).key(b"the same text") for ns in (alice, bob, DEFAULT_NAMESPACE)}
+    for ns in (alice, bob, DEFAULT_NAMESPACE):
+        assert [k for k, _ in store.texts("test-model", 10, ns.digest)] == [keys[ns.tenant]]
+        hit = store.lookup(keys[ns.tenant])
+        with store.restore(hit) as ckpt:
+            assert (ckpt.tenant, ckpt.namespace) == (ns.tenant, ns.digest)
 
 
 def test_dump_and_stats_follow_the_contract(store: CacheStore) -> None:

@@ -130,5 +130,6 @@ def test_messages_reach_the_engine_with_their_template() -> None:
     params = grpc_params(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), 4096, DEFAULT_NAMESPACE)
     assert params.messages == (Message("user", "hi"),)
     assert params.chat_template == "{{ 1 }}"
-    assert grpc_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096, DEFAULT_NAMESPACE).chat_template == "t"
+    chat = grpc_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096, DEFAULT_NAMESPACE)
+    assert chat.chat_template == "t"
     assert grpc_params(_request(prompt=b"x"), 4096, DEFAULT_NAMESPACE).chat_template is None
