@@ -48,6 +48,8 @@ ROW_FIELDS = {
     "blocks": int,  # blocks of KV the row names (0: its file holds the whole state)
     "own_bytes": int,  # its file and the blocks no other row names
     "shared_bytes": int,  # the blocks it shares with other rows
+    "tenant": str,  # who stored it ("": the default tenant)
+    "namespace": str,  # its namespace digest's first 8 bytes, hex ("": the default namespace)
 }
 CONTRACT_COUNTERS = (
     "hits_exact hits_resume hits_longest_prefix hits_live misses saves_cold saves_continued saves_finish "

@@ -186,6 +186,20 @@ def test_the_sdks_see_the_same_isolation(host: Host) -> None:
     assert reply.usage.cache_read_input_tokens == 0
 
 
+def test_metrics_count_per_tenant_need_a_key_and_hold_no_prompt_bytes(host: Host) -> None:
+    host.chat("sk-alice-1", ALICE_SYSTEM, "Who are you?")
+    conn = http.client.HTTPConnection("127.0.0.1", host.port, timeout=60)
+    conn.request("GET", "/metrics")
+    assert conn.getresponse().status == 401
+    conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", host.port, timeout=60)
+    conn.request("GET", "/metrics", headers={"Authorization": "Bearer sk-bob-1"})
+    text = conn.getresponse().read()
+    conn.close()
+    assert b'barrel_tenant_requests_total{tenant="alice"}' in text and b'tenant="bob"' in text
+    assert not [m for m in MARKERS if m in text]
+
+
 def test_a_bad_keys_file_stops_barreld_with_one_line(tmp_path: Path) -> None:
     with Sandbox.new(label="tenants-bad") as box:
         keys = box.base / "keys"

@@ -193,7 +193,7 @@ class Call:
         if isinstance(ev, Done):
             self.done = ev
             if self.metrics is not None:
-                self.metrics.finished(self.api, self.model.name, ev)
+                self.metrics.finished(self.api, self.model.name, ev, self.request.params.namespace.tenant)
             log_done(self.api, self.model.name, ev)
         return ev
 

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from barreld.engine.request import Done
-from barreld.names import REDIS_TIER, SAVE_REASONS, Route
+from barreld.names import REDIS_TIER, SAVE_REASONS, Route, tenant_label
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
@@ -40,14 +40,25 @@ class Metrics:
             "barrel_restored_tokens", "Prompt tokens warm-started from the cache instead of prefilled", ["model"],
             registry=r,
         )
+        # Per tenant, the requests and what the cache gave them: counts only, never a prompt's bytes.
+        self.tenant_requests = Counter("barrel_tenant_requests", "Completion requests ended, by tenant", ["tenant"],
+                                       registry=r)
+        self.tenant_restored = Counter("barrel_tenant_restored_tokens", "Prompt tokens restored, by tenant",
+                                       ["tenant"], registry=r)
+        self.tenant_prompt = Counter("barrel_tenant_prompt_tokens", "Prompt tokens of ended requests, by tenant",
+                                     ["tenant"], registry=r)
         self.ttft = Histogram(
             "barrel_time_to_first_token_seconds", "From a request's arrival to its first token", ["model"],
             buckets=TTFT_BUCKETS, registry=r,
         )
         r.register(_StateCollector(store, models))
 
-    def finished(self, api: str, model: str, done: Done) -> None:
+    def finished(self, api: str, model: str, done: Done, tenant: str = "") -> None:
         self.requests.labels(api, model, done.finish_reason).inc()
+        who = tenant_label(tenant)
+        self.tenant_requests.labels(who).inc()
+        self.tenant_prompt.labels(who).inc(done.prompt_tokens)
+        self.tenant_restored.labels(who).inc(done.cache.restored_tokens)
         self.prompt_tokens.labels(model).inc(done.prompt_tokens)
         self.generated_tokens.labels(model).inc(done.completion_tokens)
         self.restored_tokens.labels(model).inc(done.cache.restored_tokens)
