@@ -62,6 +62,7 @@ class Publisher:
         self._index, self._tiers, self.counters, self._pool = index, tiers, counters, pool
         self.block_tokens, self.remote = block_tokens, remote
         self._pending: dict[bytes, Future] = {}
+        self._namespaces: dict[bytes, bytes] = {}  # an in-flight save's key -> its namespace digest
         self._successors: dict[bytes, tuple[Checkpoint, str]] = {}  # an in-flight row -> a row that replaces it
         self._plock = threading.Lock()
 
@@ -90,6 +91,7 @@ class Publisher:
                 self.counters.count("saves_dropped")
                 return SaveOutcome("dropped", key, tier, detail=str(e))
             self._pending[key] = fut
+            self._namespaces[key] = ckpt.namespace
         fut.add_done_callback(lambda f: self._forget(key, f))
         if not sync:
             return SaveOutcome("queued", key, tier, future=fut)
@@ -102,11 +104,16 @@ class Publisher:
         with self._plock:
             if self._pending.get(key) is fut:
                 del self._pending[key]
+                self._namespaces.pop(key, None)
                 self._successors.pop(key, None)
 
-    def pending(self, key: bytes) -> Future | None:
-        """The in-flight save of `key`, so a caller can wait for it to publish (session_resume_wait_ms)."""
+    def pending(self, key: bytes, namespace: bytes | None = None) -> Future | None:
+        """The in-flight save of `key` (of that namespace, when given), so a caller can wait for it to publish
+        (session_resume_wait_ms). Given a namespace, another's save is not there: a wait on it would tell
+        whether another tenant is saving that key."""
         with self._plock:
+            if namespace is not None and self._namespaces.get(key, namespace) != namespace:
+                return None
             return self._pending.get(key)
 
     def _splits(self, ckpt: Checkpoint) -> bool:

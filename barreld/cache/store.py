@@ -240,9 +240,10 @@ class CacheStore:
             ckpt = replace(ckpt, prefixes=prefixes)
         return self._publisher.save(ckpt, tier, sync=sync, timeout=timeout, replaces=replaces)
 
-    def pending(self, key: bytes) -> Future | None:
-        """The in-flight save of `key`, so a caller can wait for it to publish (session_resume_wait_ms)."""
-        return None if self._publisher is None else self._publisher.pending(key)
+    def pending(self, key: bytes, namespace: bytes | None = None) -> Future | None:
+        """The in-flight save of `key` (only of that namespace, when given), so a caller can wait for it to
+        publish (session_resume_wait_ms)."""
+        return None if self._publisher is None else self._publisher.pending(key, namespace)
 
 
     # ---- lookups and restores -----------------------------------------------------------------

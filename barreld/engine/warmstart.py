@@ -104,7 +104,7 @@ class WarmStarts:
         try:
             stored = [c for c in (
                 self._exact(key, len(tokens), rendered),
-                self._resume(key, parent_key, len(tokens), rendered, offsets),
+                self._resume(key, namespace, parent_key, len(tokens), rendered, offsets),
                 self._longest_prefix(key, len(tokens), rendered, offsets, best.tokens),
             ) if c is not None and c.tokens > best.tokens]
             if not stored and store.remote is not None:
@@ -158,16 +158,17 @@ class WarmStarts:
         hit = self.cache.store.lookup(key(rendered))
         return None if hit is None else self._stored(Route.EXACT, hit, n)
 
-    def _resume(self, key: Keys, parent_key: bytes | None, n: int, rendered: bytes, offsets: list[int]
-                ) -> WarmStart | None:
+    def _resume(self, key: Keys, namespace: Namespace, parent_key: bytes | None, n: int, rendered: bytes,
+                offsets: list[int]) -> WarmStart | None:
         """The parent checkpoint's bytes must be a strict prefix of the prompt: checked through the key
-        itself (the hash of the prompt's first bytes), so no file is read to decide."""
+        itself (the hash of the prompt's first bytes, in the request's namespace), so no file is read to
+        decide. Only a save of the request's own namespace is waited for."""
         if not parent_key:
             return None
         store = self.cache.store
         hit = store.lookup(parent_key)
         if hit is None:
-            pending = store.pending(parent_key)
+            pending = store.pending(parent_key, namespace.digest)
             if pending is not None:
                 store.counters.count("resume_waits")
                 with contextlib.suppress(Exception):

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from barreld.cache.key import Namespace
 
-from .conftest import Engine, plain
+from .conftest import Engine, WatchedStore, collect, plain, wait_until
 
 ALICE, BOB = Namespace.of("alice"), Namespace.of("bob")
 SECRET = b"System: the door code is 4711 and the client is ACME. " + plain(160, 31)
 
 
 def test_bob_reuses_and_sees_nothing_of_alices_live_sequence(engine: Engine) -> None:
-    engine.load()
     alice = engine.run(SECRET, namespace=ALICE)
     bob = engine.run(SECRET, namespace=BOB)
     assert (bob.route, bob.done.cache.restored_tokens, bob.done.cache.divergence) == ("miss", 0, None)
@@ -24,7 +23,6 @@ def test_bob_reuses_and_sees_nothing_of_alices_live_sequence(engine: Engine) -> 
 
 
 def test_after_a_restart_bob_finds_none_of_alices_rows_and_explain_compares_with_his_own(engine: Engine) -> None:
-    engine.load()
     engine.run(SECRET, namespace=ALICE)
     later = engine.restarted()
     bob = later.run(SECRET + b" more", namespace=BOB)
@@ -38,7 +36,6 @@ def test_after_a_restart_bob_finds_none_of_alices_rows_and_explain_compares_with
 
 
 def test_a_guess_at_the_next_token_never_restores_anything_of_another_tenant(engine: Engine) -> None:
-    engine.load()
     engine.run(SECRET, namespace=ALICE)
     public = b"System: the door code is "
     for n, guess in enumerate((b"4711", b"4712", b"1234", b"4711 and the client is ACME. ")):
@@ -48,7 +45,6 @@ def test_a_guess_at_the_next_token_never_restores_anything_of_another_tenant(eng
 
 
 def test_two_salts_share_nothing_and_the_same_salt_shares(engine: Engine) -> None:
-    engine.load()
     one, two = Namespace.of("app", "user-1"), Namespace.of("app", "user-2")
     engine.run(SECRET, namespace=one)
     assert engine.run(SECRET, namespace=two).done.cache.restored_tokens == 0
@@ -57,3 +53,17 @@ def test_two_salts_share_nothing_and_the_same_salt_shares(engine: Engine) -> Non
     later = engine.restarted()
     assert later.run(SECRET, namespace=one).route == "exact"
     assert later.run(SECRET + b"!", namespace=Namespace.of("app")).done.cache.restored_tokens == 0
+
+
+def test_a_parent_key_of_another_tenant_is_never_waited_for(engine: Engine, store: WatchedStore) -> None:
+    store.publishing.clear()  # Alice's finish save stays in flight
+    try:
+        alice = engine.run(SECRET, namespace=ALICE)
+        waits = engine.counter("resume_waits")
+        bob = engine.run(SECRET + b" next", namespace=BOB, parent_key=alice.done.key)
+        assert engine.counter("resume_waits") == waits and bob.done.cache.restored_tokens == 0
+        own = engine.submit(SECRET + b" next", namespace=ALICE, parent_key=alice.done.key)
+        wait_until(lambda: engine.counter("resume_waits") == waits + 1)  # her own save is waited for
+    finally:
+        store.publishing.set()
+    assert collect(own).done.cache.restored_tokens > 0
