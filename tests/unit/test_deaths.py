@@ -99,6 +99,9 @@ def test_a_watched_death_waits_for_the_watchers_line(tmp_path: Path) -> None:
 def test_the_watcher_logs_a_signal_death_and_exits_with_its_status(tmp_path: Path) -> None:
     """barreld.supervise over a real barreld that is SIGKILLed once it answers."""
     sock = tmp_path / "s.sock"
+    config = tmp_path / "cfg" / "barrel" / "barreld.toml"  # its own ram_file root: a user's daemon holds the default
+    config.parent.mkdir(parents=True)
+    config.write_text(f'[tiers.ram_file]\nroot = "{tmp_path / "shm"}"\n')
     env = {"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "PATH": "/usr/bin"}
     with open(tmp_path / "log", "wb") as log:
         watcher = subprocess.Popen([sys.executable, "-m", "barreld.supervise", "--socket", str(sock)],
