@@ -89,8 +89,7 @@ class Daemon:
             tenants=self.config.http.tenants,
         )
         self.server = GrpcServer(self.servicer, self.socket, group=group)
-        self.server.start()
-        self.peers.start()  # in the directory the server has prepared
+        self.server.start(before_serving=self.peers.start)
         self._take_over_run_record()  # beside the socket, whose directory the server has made
         if self.http is not None:
             self._start_http(metrics)

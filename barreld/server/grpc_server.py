@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -54,7 +55,9 @@ class GrpcServer:
         )
         self._server.add_generic_rpc_handlers((parsing_handler(servicer),))
 
-    def start(self) -> None:
+    def start(self, before_serving: Callable[[], None] = lambda: None) -> None:
+        """Listens on the socket; `before_serving` runs once its directory is ready, before any call is taken
+        (the identity socket starts there, so no client finds the one without the other)."""
         prepare_socket(self.socket, self.group)
         old = os.umask(0o177)
         try:
@@ -68,6 +71,7 @@ class GrpcServer:
             os.chmod(self.socket, 0o660)
         else:
             os.chmod(self.socket, 0o600)
+        before_serving()
         self._server.start()
 
     def stop_accepting(self) -> None:
