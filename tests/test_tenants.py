@@ -114,9 +114,24 @@ def test_bobs_replies_hold_no_byte_of_alices_prompts_on_any_route(host: Host) ->
     assert cached(answers[0][1]) == 0  # Bob's first request; his later ones may restore what he sent himself
     # gRPC, as the operator acting as Bob (a socket's own tenants are its Unix users: tests/faults)
     with host.box.client() as c:
-        r = c.complete(ALICE_SYSTEM[:200].encode() + b" Bob here.", max_tokens=8, tenant="bob").result()
+        r = c.complete(PUBLIC.encode() + b" Bob here.", max_tokens=8, tenant="bob").result()
     seen = r.text + (r.divergence.cached if r.divergence else b"")
     assert r.restored == 0 and not [m for m in MARKERS if m in seen]
+
+
+def test_the_operator_explains_as_a_tenant_and_sees_every_tenants_rows(host: Host) -> None:
+    host.chat("sk-alice-1", ALICE_SYSTEM, "Who are you?")
+    prompt = host.box.base / "prompt.json"
+    prompt.write_text(json.dumps([{"role": "system", "content": ALICE_SYSTEM}, {"role": "user", "content": "Hi"}]))
+    as_alice = host.box.ctl("--json", "cache", "explain", "--messages", str(prompt), "--tenant", "alice").json()
+    assert as_alice["cache"]["restored_tokens"] > 0
+    as_bob = host.box.ctl("--json", "cache", "explain", "--messages", str(prompt), "--tenant", "bob").json()
+    held = (as_bob["cache"].get("divergence") or {}).get("cached", "")  # what Bob's own texts hold there
+    assert as_bob["cache"]["restored_tokens"] == 0 and "4711" not in held
+    unknown = host.box.ctl("cache", "explain", "--messages", str(prompt), "--tenant", "mallory")
+    assert unknown.rc == 2 and "no tenant 'mallory'" in unknown.err and "sk-" not in unknown.err
+    rows = host.box.ctl("--json", "cache", "dump", "--tenant", "alice").json()["rows"]
+    assert rows and {r["tenant"] for r in rows} == {"alice"}
 
 
 def test_guessing_the_next_token_of_alices_prompt_recovers_nothing(host: Host) -> None:
@@ -198,6 +213,8 @@ def test_metrics_count_per_tenant_need_a_key_and_hold_no_prompt_bytes(host: Host
     conn.close()
     assert b'barrel_tenant_requests_total{tenant="alice"}' in text and b'tenant="bob"' in text
     assert not [m for m in MARKERS if m in text]
+    log = host.box.log_text()
+    assert not [k for k in ("sk-alice-1", "sk-bob-1", "sk-carol-1") if k in log]  # keys are never logged
 
 
 def test_a_bad_keys_file_stops_barreld_with_one_line(tmp_path: Path) -> None:
