@@ -1,10 +1,10 @@
 """Tenants: what an HTTP keys file costs a tenant's warm start, and whether one tenant's cache shows through
 another's time to first token, in one run through barreld's HTTP listener.
 
-    python -m bench.tenancy [--rounds 30] [--guesses 40] [--results bench/RESULTS.md]
+    python -m bench.tenancy [--rounds 30] [--guesses 32] [--results bench/RESULTS.md]
 
 Prints its tables; with --results, writes them as the section "tenancy" of that file and the plot tenancy.png
-beside it, leaving the rest as it is. Progress goes to stderr. About 5 minutes on two cores.
+beside it, leaving the rest as it is. Progress goes to stderr. About 6 minutes on two cores.
 
 Method. Every request is a streamed `/v1/chat/completions` (greedy) over a fresh loopback connection with
 http.client; TTFT is the client's, from sending the request to the first chunk that carries text, and
@@ -130,6 +130,12 @@ def mann_whitney(x: list[float], y: list[float]) -> tuple[float, float]:
     return u, min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2)))
 
 
+def span(values: list[int]) -> str:
+    """The range of some token counts, or the count when they are all the same."""
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 def deciles(xs: list[float]) -> tuple[float, float]:
     """(p10, p90)."""
     q = statistics.quantiles(xs, n=10, method="inclusive")
@@ -164,15 +170,16 @@ def cost_of_tenancy(tok: Tokenizer, keys: Path, key: str, rounds: int) -> Cost:
         apis = {"open": Api(http_port(plain)), "keyed": Api(http_port(kd), key)}
         for i in range(rounds + 1):
             question = user(tok.text(40, f"tenancy-question-{i}", head=f"Question {i + 1}. ") + " What should I do?")
+            turn2 = {}
             for side in SIDES if i % 2 == 0 else SIDES[::-1]:
                 pair = conversation(apis[side], [prompt, question])
                 if pair[1].restored == 0:
                     raise SystemExit(f"bench.tenancy: turn 2 on the {side} daemon restored nothing ({pair[1].detail})")
                 if i:
                     out.turns[side].append(pair)
+                turn2[side] = pair[1].ttft_ms
             if i % 5 == 0:
-                progress(f"  round {i:2d}: turn 2 TTFT open {out.turns['open'][-1][1].ttft_ms if i else 0:.1f} ms, "
-                         f"keyed {out.turns['keyed'][-1][1].ttft_ms if i else 0:.1f} ms")
+                progress(f"  round {i:2d}: turn 2 TTFT open {turn2['open']:.1f} ms, keyed {turn2['keyed']:.1f} ms")
     return out
 
 
@@ -183,11 +190,11 @@ def cost_table(c: Cost) -> Table:
     for turn, label in ((0, "turn 1: system prompt restored, new question"),
                         (1, "turn 2: the conversation resent, restored")):
         o, k = c.ttft("open", turn), c.ttft("keyed", turn)
-        tokens = {p[turn].prompt_tokens for s in SIDES for p in c.turns[s]}
-        cached = {p[turn].restored for s in SIDES for p in c.turns[s]}
+        tokens = [p[turn].prompt_tokens for s in SIDES for p in c.turns[s]]
+        cached = [p[turn].restored for s in SIDES for p in c.turns[s]]
         diff = median([b - a for a, b in zip(o, k, strict=True)])
         p = mann_whitney(k, o)[1]
-        t.add(label, f"{min(tokens)}-{max(tokens)}", f"{min(cached)}-{max(cached)}", f"{median(o):.2f} ms",
+        t.add(label, span(tokens), span(cached), f"{median(o):.2f} ms",
               f"{median(k):.2f} ms", ratio(median(k), median(o)), f"{diff:+.2f} ms", f"{p:.2f}",
               "yes" if p >= ALPHA else "NO")
     routes = Counter(p[1].detail for s in SIDES for p in c.turns[s])
@@ -233,7 +240,7 @@ def side_channel(tok: Tokenizer, keys: Path, key: dict[str, str], guesses: int) 
         progress(f"  alice's secret prompt: {first.prompt_tokens} tokens, cold ({first.detail}), "
                  f"TTFT {first.ttft_ms:.0f} ms")
         for i in range(guesses + 1):
-            asked = {}
+            asked, ttft = {}, {}
             for cond in CONDITIONS if i % 2 == 0 else CONDITIONS[::-1]:
                 again = alice.chat(alice_turn, 4)
                 if again.restored != again.prompt_tokens:
@@ -244,12 +251,12 @@ def side_channel(tok: Tokenizer, keys: Path, key: dict[str, str], guesses: int) 
                 if i:
                     out.alice_cached.append(again.restored)
                     out.guesses[cond].append(guess)
+                ttft[cond] = guess.ttft_ms
             control = alice.chat([prompts["a"], asked["a"]], 4)
             if i:
                 out.control.append(control)
             if i % 5 == 0:
-                g = out.guesses if i else {c: [Reply(0, "", 0, 0, 0, "")] for c in CONDITIONS}
-                progress(f"  round {i:2d}: bob (a) {g['a'][-1].ttft_ms:.0f} ms, (b) {g['b'][-1].ttft_ms:.0f} ms; "
+                progress(f"  round {i:2d}: bob (a) {ttft['a']:.0f} ms, (b) {ttft['b']:.0f} ms; "
                          f"alice sending (a) {control.ttft_ms:.0f} ms, {control.restored} cached")
         out.rows = Counter(row.tenant or "default" for row in d.rows())
     return out
@@ -265,7 +272,7 @@ def channel_table(c: Channel) -> tuple[Table, str, bool]:
         xs = [r.ttft_ms for r in replies]
         lo, hi = deciles(xs)
         cached = Counter(r.restored for r in replies)
-        t.add(label, len(replies), "/".join(str(n) for n in sorted({r.prompt_tokens for r in replies})),
+        t.add(label, len(replies), span([r.prompt_tokens for r in replies]),
               ", ".join(f"{k} × {v}" for k, v in sorted(cached.items())),
               ", ".join(sorted({r.detail for r in replies})), ms(median(xs)), ms(lo), ms(hi))
     u, p = mann_whitney(c.ttft("a"), c.ttft("b"))
@@ -292,12 +299,14 @@ def plot(cost: Cost, channel: Channel, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     series = [(a, [cost.ttft("open", 1), cost.ttft("keyed", 1)], ["no keys file", "keys file (alice)"],
                "1. Warm TTFT, turn 2 (~600 tokens)", "linear"),
               (b, [channel.ttft("a"), channel.ttft("b"), [r.ttft_ms for r in channel.control]],
-               ["Bob: (a) Alice's\ncached secret", "Bob: (b) a secret\nnobody sent", "Alice sends (a)\n(a shared cache)"],
+               ["Bob: (a) Alice's\ncached secret", "Bob: (b) a secret\nnobody sent",
+                "Alice sends (a)\n(a shared cache)"],
                "2. Bob's guesses, and what a leak would look like", "log")]
     for ax, data, names, title, scale in series:
         ax.boxplot(data, showfliers=False, widths=0.5)
@@ -306,6 +315,12 @@ def plot(cost: Cost, channel: Channel, path: Path) -> None:
             ax.plot(jitter, ys, "o", alpha=0.45, markersize=3.5, color=f"C{k - 1}")
         ax.set_xticks(range(1, len(names) + 1), names, fontsize=8)
         ax.set_yscale(scale)
+        if scale == "log":
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        else:
+            ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_ylabel("time to first token (ms)" + (", log" if scale == "log" else ""))
         ax.set_title(title, fontsize=10)
         ax.grid(True, axis="y", which="both", alpha=0.3)
@@ -327,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.tenancy", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=30, help="counted rounds of the cost of tenancy (default 30)")
-    p.add_argument("--guesses", type=int, default=40, help="Bob's counted guesses per condition (default 40)")
-    p.add_argument("--results", type=Path, help="also write the section 'tenancy' of this file, and tenancy.png beside it")
+    p.add_argument("--guesses", type=int, default=32, help="Bob's counted guesses per condition (default 32)")
+    p.add_argument("--results", type=Path,
+                   help="also write the section 'tenancy' of this file, and tenancy.png beside it")
     args = p.parse_args(argv)
     m = machine()
     progress(f"{m['cpu']} ({m['cores']} cores), load average {m['load']}")
