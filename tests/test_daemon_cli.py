@@ -244,3 +244,19 @@ def test_socket_group_opens_the_socket_to_that_group(world: Sandbox) -> None:
     p = subprocess.run([sys.executable, "-m", "barreld", "--socket", str(world.base / "x.sock")], env=world.env(),
                        capture_output=True, timeout=60)
     assert p.returncode == 1 and "daemon.socket_group" in p.stderr.decode()
+
+
+def test_a_client_goes_on_across_a_daemon_restart_with_its_peer_token(world: Sandbox) -> None:
+    """The token that proves a client's user is an HMAC under a secret in the data dir, so a chat session's
+    client is still itself after the daemon restarts (on a shared socket a stale token would be refused)."""
+    import grp
+
+    world.write_config(f'[daemon]\nsocket_group = "{grp.getgrgid(os.getgid()).gr_name}"\n')
+    proc = world.start_daemon()
+    with world.client() as c:
+        assert c.daemon_status(timeout=10).pid == proc.pid
+        world.stop(proc)
+        again = world.start_daemon()
+        assert c.daemon_status(timeout=30).pid == again.pid
+    key = world.data_dir / "peer.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_bytes()) == 32

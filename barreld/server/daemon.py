@@ -73,7 +73,7 @@ class Daemon:
                                       reuse_probe=ReuseProbe())
         self.scheduler = self._start_scheduler()
         metrics = Metrics(self.store, self.registry.models)
-        self.peers = Peers(self.socket, group)
+        self.peers = Peers(self.socket, group, self.data_dir / "peer.key")
         self.servicer = Servicer(
             self.registry,
             self.store,

@@ -6,8 +6,9 @@ the kernel reports and answers with that uid's token, an HMAC under a secret mad
 the process). The client sends `uid:token` with every call (metadata `barrel-peer`). A token says nothing of
 another uid's, so no user can speak as another.
 
-A call without a token comes from the daemon's own user when the socket is private (mode 0600: nobody else can
-connect but root); on a socket shared through `socket_group`, it is refused.
+A call without a valid token comes from the daemon's own user when the socket is private (mode 0600: nobody else
+can connect but root); on a socket shared through `socket_group`, it is refused. The secret is kept in the data
+dir (mode 0600), so a client's token still holds after the daemon restarts.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 class Peers:
     """The identity socket and the check of each call's token."""
 
-    def __init__(self, path: Path, group: int | None, owner: int | None = None) -> None:
+    def __init__(self, path: Path, group: int | None, secret_file: Path, owner: int | None = None) -> None:
         self.path = peer_socket(path)
         self.group = group
         self.owner = os.geteuid() if owner is None else owner
-        self._secret = secrets.token_bytes(32)
+        self._secret = _secret(secret_file)
         self._sock: socket.socket | None = None
 
     def token(self, uid: int) -> str:
@@ -93,19 +94,35 @@ class Peers:
         """The caller's uid, proven by its token; the daemon's own with no token on a private socket. Aborts
         the call otherwise (Unauthenticated)."""
         given = dict(context.invocation_metadata()).get(METADATA)
+        uid, _, token = str(given or "").partition(":")
+        if uid.isdigit() and hmac.compare_digest(token.encode(), self.token(int(uid)).encode()):
+            return int(uid)
+        if self.group is None:
+            return self.owner
         if given is None:
-            if self.group is None:
-                return self.owner
             raise Unauthenticated(f"this socket is shared (daemon.socket_group): a client proves its user through "
                                   f"{self.path} first, as barrelctl does; upgrade the client or use barrelctl")
-        uid, _, token = str(given).partition(":")
-        if not uid.isdigit() or not hmac.compare_digest(token.encode(), self.token(int(uid)).encode()):
-            raise Unauthenticated(f"the peer token is not this daemon's (it restarted?); ask {self.path} again")
-        return int(uid)
+        raise Unauthenticated(f"the peer token is not this daemon's (another data dir?); ask {self.path} again")
 
     def tenant(self, context: grpc.ServicerContext) -> str:
+        """The caller's tenant (see `barreld.tenants.uid_tenant`)."""
         return uid_tenant(self.uid(context), self.owner)
 
     def operator(self, context: grpc.ServicerContext) -> bool:
         """The daemon's own user or root: sees every tenant's rows, may stop the daemon and evict."""
         return self.uid(context) in (self.owner, 0)
+
+
+def _secret(path: Path) -> bytes:
+    """The HMAC secret of the tokens: read from `path`, or made there (mode 0600) the first time."""
+    with contextlib.suppress(FileNotFoundError):
+        data = path.read_bytes()
+        if len(data) == 32:
+            return data
+    data = secrets.token_bytes(32)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return data

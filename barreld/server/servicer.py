@@ -220,6 +220,11 @@ class Servicer(pb_grpc.BarrelServicer):
         if self.stopping:
             raise Unavailable("barreld is shutting down; retry in a moment")
 
+    def admit(self, context: grpc.ServicerContext) -> None:
+        """Every call on a shared socket proves its user first (`Peers.uid`), whatever it asks."""
+        if self.peers is not None:
+            self.peers.uid(context)
+
     def _tenant(self, context: grpc.ServicerContext) -> str:
         return DEFAULT_TENANT if self.peers is None else self.peers.tenant(context)
 
@@ -263,6 +268,7 @@ class Servicer(pb_grpc.BarrelServicer):
     @rpc
     def LoadModel(self, request: pb.LoadModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
         self._check_open()
+        self._operator(context, "load a model (barreld opens the file as its own user)")
         base = self.load_defaults()
         check_load(request)
         opts = LoadOptions(
@@ -386,6 +392,7 @@ class Servicer(pb_grpc.BarrelServicer):
     def CacheVerify(
         self, request: pb.CacheVerifyRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CacheVerifyEvent]:
+        self._operator(context, "verify the cache (it reads every tenant's rows)")
         store = self._cache()
         progress: queue.Queue = queue.Queue()
         result: list = []

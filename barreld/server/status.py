@@ -20,8 +20,9 @@ def grpc_code(exc: BarrelError) -> grpc.StatusCode:
 
 
 def rpc(method: Callable) -> Callable:
-    """Wraps a servicer method: a BarrelError aborts the call with its code and message; anything else
-    is logged with its traceback and answered INTERNAL, and never takes the daemon down."""
+    """Wraps a servicer method: the servicer's `admit(context)` runs first (who may call at all); a BarrelError
+    aborts the call with its code and message; anything else is logged with its traceback and answered
+    INTERNAL, and never takes the daemon down."""
 
     def fail(context: grpc.ServicerContext, exc: Exception) -> None:
         known = client_error(exc)
@@ -35,6 +36,7 @@ def rpc(method: Callable) -> Callable:
         @functools.wraps(method)
         def stream(self, request, context):
             try:
+                self.admit(context)
                 yield from method(self, request, context)
             except Exception as exc:  # noqa: BLE001 - every error is answered, none kills the daemon
                 if context.is_active():
@@ -45,6 +47,7 @@ def rpc(method: Callable) -> Callable:
     @functools.wraps(method)
     def unary(self, request, context):
         try:
+            self.admit(context)
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             fail(context, exc)
