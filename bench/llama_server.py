@@ -13,7 +13,10 @@ with cmake (-DLLAMA_CURL=OFF, tests and examples off, Release; the llama-server 
 that file is first fetched with `python -m pip download --no-deps --no-binary :all:
 llama-cpp-python==VERSION`: an install step like `pip install`, through pip's own configuration, and the only
 network access here. The build keeps CMake's defaults for the CPU (GGML_NATIVE: the instructions of this
-machine), as pip's build of llama-cpp-python does. It took about 15 minutes on two cores.
+machine), as pip's build of llama-cpp-python does, unless the CPU advertises AMX, which some VMs trap (then
+the native build dies at its first decode, and tests/portable-llama installs llama-cpp-python built with
+barreld's portable flags for this CPU, `decodecheck.cmake_args`): then llama-server is built with those same
+flags, into build-portable/. It took about 15 minutes on two cores.
 
 Method. Both servers get the same requests, Barrel first, one at a time, streamed over HTTP on loopback; TTFT
 is client-side wall time to the first chunk that carries text. Barrel: barreld's HTTP listener (default
@@ -51,6 +54,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from barreld.engine.decodecheck import cmake_args
+from barreld.engine.memo import cpu_identity
 from bench.harness import MODEL, Daemon, ServerProcess, Tokenizer, machine, median, model_path, progress, sse_events
 from bench.http import HTTP_CONFIG, http_port
 from bench.report import Table, ms, put_section, ratio, verdict
@@ -96,7 +101,10 @@ def build() -> Path:
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     src = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    binary = src / "build" / "bin" / "llama-server"
+    flags = cpu_identity()[1]
+    portable = cmake_args(flags).split() if any(f.startswith("amx") for f in flags) else []
+    out = "build-portable" if portable else "build"
+    binary = src / out / "bin" / "llama-server"
     with open(root / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if binary.exists():
@@ -112,9 +120,9 @@ def build() -> Path:
                 tar.extractall(root, filter="data")
         jobs = str(len(os.sched_getaffinity(0)))
         log = root / "cmake.log"
-        _run_logged(["cmake", "-S", ".", "-B", "build", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"], src, log)
-        _run_logged(["cmake", "--build", "build", "--target", "llama-server", "-j", jobs], src, log)
+        _run_logged(["cmake", "-S", ".", "-B", out, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release", *portable], src, log)
+        _run_logged(["cmake", "--build", out, "--target", "llama-server", "-j", jobs], src, log)
     return binary
 
 
