@@ -128,8 +128,9 @@ class Daemon:
     `with Daemon(...) as d:` starts it, and stops it and removes its directories at the end."""
 
     def __init__(self, name: str, *, tier: str = "disk", policy: dict[str, str] | None = None, n_seq_max: int = 1,
-                 config: str = "", load: bool = True) -> None:
+                 config: str = "", load: bool = True, env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.env = env  # added to the daemon's environment
         self.tier = tier
         self.policy = {k: str(v) for k, v in (policy or {}).items()}
         self.n_seq_max = n_seq_max
@@ -148,7 +149,7 @@ class Daemon:
 
     def start(self, timeout: float = 120) -> None:
         """Starts barreld, waits until it answers, then loads the model."""
-        self.proc = self.box.start_daemon("--log-level", "warning", timeout=timeout)
+        self.proc = self.box.start_daemon("--log-level", "warning", timeout=timeout, env=self.env)
         self.client = self.box.client()
         if self.load_model:
             self.client.load(MODEL, tier=self.tier, n_ctx=4096, n_batch=512, n_seq_max=self.n_seq_max,

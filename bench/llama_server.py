@@ -132,14 +132,15 @@ class LlamaServer(ServerProcess):
     name = "llama-server"
     ready_path = "/health"
 
-    def __init__(self, workdir: Path, binary: Path) -> None:
+    def __init__(self, workdir: Path, binary: Path, slots: int = 1) -> None:
         super().__init__(workdir)
         self.binary = binary
+        self.slots = slots  # -np: each slot gets 4096 cells, as each of Barrel's sequences does
 
     def command(self, port: int) -> list[str]:
         threads = str(len(os.sched_getaffinity(0)))
-        return [str(self.binary), "-m", str(model_path()), "-c", "4096", "-b", "512", "-np", "1", "-t", threads,
-                "-tb", threads, "--host", "127.0.0.1", "--port", str(port)]
+        return [str(self.binary), "-m", str(model_path()), "-c", str(4096 * self.slots), "-b", "512",
+                "-np", str(self.slots), "-t", threads, "-tb", threads, "--host", "127.0.0.1", "--port", str(port)]
 
 
 # ---- one request to each side ------------------------------------------------------------------------

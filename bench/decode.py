@@ -1,0 +1,171 @@
+"""Decode speed against llama-server, side by side in one run, and what OpenMP's wait policy does to it.
+
+    python -m bench.decode [--rounds 5] [--tokens 200] [--results bench/RESULTS.md]
+
+Writes (or replaces) the section "decode" of the results file. Progress goes to stderr.
+
+Method. Three servers of the bundled SmolLM2, same llama.cpp (llama-server is bench.llama_server's build), every
+core each, loopback HTTP, `/v1/completions` streamed, greedy, `ignore_eos` so every reply is `--tokens` long:
+barreld as it is (GNU OpenMP's default wait: llama.cpp's threads spin a while, then sleep), barreld with
+`OMP_WAIT_POLICY=active` (they spin until there is work), and llama-server. One stream: each server in turn
+answers one request, `--rounds` times, the order rotating; tokens/s is the reply's tokens over the time from its
+first token to its last. Four streams: servers with four sequences (`n_seq_max 4`; llama-server `-np 4`) answer
+four requests sent at once, tokens/s is all their tokens over the wall time from the first request to the last
+token. Before each measurement every barreld is let go quiet (it settles its replies while idle, which would
+slow whichever server came next). Then each barreld's CPU time over 3 s of idling. Medians over the rounds;
+ratios are Barrel's over llama-server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.harness import MODEL, Daemon, machine, median, progress, sse_events
+from bench.http import HTTP_CONFIG, http_port
+from bench.llama_server import LlamaServer, build
+from bench.report import Table, put_section, ratio
+
+SECTION = "decode"
+SPINNING, SLEEPING = "barreld, OMP_WAIT_POLICY=active (spin)", "barreld (default: spin a while, then sleep)"
+LLAMA = "llama-server"
+
+
+@dataclass
+class Side:
+    name: str
+    port: int
+    pid: int | None = None
+    one: list[float] = field(default_factory=list)  # tokens/s of one stream, per round
+    four: list[float] = field(default_factory=list)  # tokens/s of four streams together, per round
+    idle_cpu_s: float = float("nan")
+
+
+def one_stream(port: int, tokens: int, seed: int) -> tuple[float, float, float]:
+    """(request sent, first token, last token) of one greedy reply of `tokens` tokens, perf_counter times."""
+    body = {"model": MODEL, "prompt": f"Story {seed}: once upon a time, in a small village by the sea,",
+            "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = last = None
+    for _ in sse_events(port, "/v1/completions", body, f"port {port}"):
+        last = time.perf_counter()
+        first = first or last
+    return t0, first or t0, last or t0
+
+
+def rate_one(port: int, tokens: int, seed: int) -> float:
+    _, first, last = one_stream(port, tokens, seed)
+    return (tokens - 1) / (last - first)
+
+
+def rate_four(port: int, tokens: int, seed: int) -> float:
+    with cf.ThreadPoolExecutor(4) as pool:
+        spans = list(pool.map(lambda i: one_stream(port, tokens, seed * 10 + i), range(4)))
+    return 4 * tokens / (max(s[2] for s in spans) - min(s[0] for s in spans))
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quiet(pids: list[int], timeout: float = 60.0) -> None:
+    """Until none of the daemons works (a barreld settles its replies while idle, which would slow the next
+    server measured on these shared cores): under 10 ms of CPU each in 0.3 s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = [cpu_seconds(p) for p in pids]
+        time.sleep(0.3)
+        if all(cpu_seconds(p) - b < 0.01 for p, b in zip(pids, before, strict=True)):
+            return
+
+
+def measure(rounds: int, tokens: int) -> dict[str, Side]:
+    binary = build()
+    spinning = {"OMP_WAIT_POLICY": "active"}
+    with tempfile.TemporaryDirectory(prefix="barrel-bench-decode-") as work, \
+            Daemon("decode", config=HTTP_CONFIG) as sleep1, \
+            Daemon("decode-omp", config=HTTP_CONFIG, env=spinning) as spin1, \
+            Daemon("decode-4", config=HTTP_CONFIG, n_seq_max=4) as sleep4, \
+            Daemon("decode-omp-4", config=HTTP_CONFIG, n_seq_max=4, env=spinning) as spin4:
+        ls1, ls4 = LlamaServer(Path(work) / "np1", binary), LlamaServer(Path(work) / "np4", binary, slots=4)
+        for server in (ls1, ls4):
+            server.workdir.mkdir()
+            server.start()
+        try:
+            ones = {SLEEPING: sleep1, SPINNING: spin1}
+            sides = {name: Side(name, http_port(d), d.proc.pid) for name, d in ones.items()}
+            sides[LLAMA] = Side(LLAMA, ls1.port)
+            fours = {SLEEPING: http_port(sleep4), SPINNING: http_port(spin4), LLAMA: ls4.port}
+            for port in [s.port for s in sides.values()] + list(fours.values()):
+                rate_one(port, 8, 0)  # warm up
+            order = list(sides)
+            pids = [d.proc.pid for d in (spin1, sleep1, spin4, sleep4)]
+            for r in range(rounds):
+                progress(f"round {r + 1}/{rounds}")
+                for name in order[r % 3:] + order[: r % 3]:
+                    quiet(pids)
+                    sides[name].one.append(rate_one(sides[name].port, tokens, r))
+                    quiet(pids)
+                    sides[name].four.append(rate_four(fours[name], tokens, r))
+            for name in (SLEEPING, SPINNING):
+                time.sleep(2.0)
+                before = cpu_seconds(sides[name].pid)
+                time.sleep(3.0)
+                sides[name].idle_cpu_s = cpu_seconds(sides[name].pid) - before
+        finally:
+            ls1.stop()
+            ls4.stop()
+    return sides
+
+
+def table(sides: dict[str, Side], tokens: int) -> Table:
+    ls = sides[LLAMA]
+    t = Table(f"Decode, SmolLM2, {tokens} tokens a reply",
+              ["server", "one stream, tokens/s", "vs llama-server", "four streams, tokens/s in all", "vs llama-server",
+               "CPU over 3 s idle"])
+    for s in sides.values():
+        idle = "-" if s.name == LLAMA else f"{s.idle_cpu_s:.2f} s"
+        t.add(s.name, f"{median(s.one):.1f}", ratio(median(s.one), median(ls.one)), f"{median(s.four):.1f}",
+              ratio(median(s.four), median(ls.four)), idle)
+    t.note = (f"Medians of {len(ls.one)} rounds. One stream: a reply's tokens over its first-to-last-token time. "
+              "Four streams: four requests at once on four sequences (llama-server -np 4), all tokens over the wall "
+              "time. OpenMP's wait policy changes no float, only when its threads sleep; spinning is not barreld's "
+              "default, since several busy processes on few cores then starve each other (the test suite's "
+              "Redis module took minutes instead of seconds).")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--results", type=Path, help="also write the section 'decode' of this file")
+    args = p.parse_args(argv)
+    m = machine()
+    progress(f"{m['cpu']} ({m['cores']} cores), load average {m['load']}")
+    t0 = time.monotonic()
+    sides = measure(args.rounds, args.tokens)
+    tb = table(sides, args.tokens)
+    from rich.console import Console
+
+    Console(width=200).print(tb.rich())
+    if args.results is not None:
+        command = "python -m bench.decode " + " ".join(argv)
+        put_section(args.results, SECTION, "\n".join([
+            "## Decode against llama-server", "",
+            f"Generated by `{command.strip()}` in {(time.monotonic() - t0) / 60:.1f} min (load average at start: "
+            f"{m['load']}); the method is in bench/decode.py's docstring.", "", tb.markdown()]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
