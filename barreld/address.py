@@ -1,11 +1,10 @@
-"""Where the HTTP API listens, and the bearer keys that guard it. Pure: the config reader and the command
-line check their values here without importing the web stack."""
+"""Where the HTTP API listens. Pure: the config reader and the command line check it here without importing
+the web stack (the keys that guard it are `barreld.tenants`)."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,24 +64,3 @@ def parse_listen(text: str, base: Path | None = None) -> ListenAddress:
             f"bad address {text!r}: expected HOST:PORT (an IP address or localhost), [IPv6]:PORT or unix:PATH"
         )
     return ListenAddress(str(ipaddress.ip_address(host)), number)
-
-
-def load_api_keys(path: Path) -> tuple[bytes, ...]:
-    """The bearer keys in `path`, one a line (blank lines and `#` comments skipped). The file must be
-    readable by its owner only, since anyone who reads a key may use the API; ValueError says what is wrong."""
-    try:
-        st = path.stat()
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        raise ValueError(f"{path} is mode {mode:04o}: others could read the keys; run chmod 600 {path}")
-    keys = tuple(line.strip().encode() for line in text.splitlines() if line.strip() and not line.startswith("#"))
-    if not keys:
-        raise ValueError(f"{path} holds no keys; write one key per line")
-    if any(len(k.split()) != 1 for k in keys):
-        raise ValueError(f"{path}: a key must not contain spaces; write one key per line")
-    return keys
