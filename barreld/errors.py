@@ -35,3 +35,7 @@ class PermissionDenied(BarrelError):
 
 class Unauthenticated(BarrelError):
     code = "UNAUTHENTICATED"
+
+
+class ContextLengthExceeded(InvalidArgument):
+    """The prompt does not fit the model's context (OpenAI's `context_length_exceeded`)."""

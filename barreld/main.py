@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, config: Config, config_path: Path) -> int:
-    from barreld.server.daemon import Daemon
+    from barreld.daemon import Daemon
 
     data_dir = config.data_dir
     socket = args.socket or (config.socket if config.socket and not os.environ.get(SOCKET_ENV) else default_socket())

@@ -89,6 +89,7 @@ class FinishReason(StrEnum):
 
     STOP = "stop"  # the model ended its turn, or a stop string
     LENGTH = "length"  # max_tokens, or the context is full
+    TOOL_CALLS = "tool_calls"  # the reply called tools (the engine's reading of it; the worker says stop)
     CANCELLED = "cancelled"  # the client went away
     EXPLAIN = "explain"  # a look-up-only request: nothing was generated
 

@@ -23,9 +23,10 @@ from barreld.address import parse_listen
 from barreld.cache import CacheStore, TierConfig
 from barreld.engine.backend import BackendError
 from barreld.engine.registry import LoadOptions, ModelRegistry
-from barreld.frontend.metrics import Metrics
-from barreld.http.app import MAX_BODY, DaemonState, HttpApi
+from barreld.http.app import DaemonState, HttpApi
 from barreld.http.server import HttpServer
+from barreld.http.streaming import MAX_BODY
+from barreld.service.metrics import Metrics
 from barreld.tenants import TenantKey, Tenants
 from tests.engine.conftest import POLICY, plain
 from tests.fakes.backend import FakeBackend, write_gguf

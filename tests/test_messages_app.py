@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import barreld.http.app as app_module
+import barreld.http.streaming as streaming
 from barreld.tenants import TenantKey, Tenants
 from tests.test_http_app import KEY, Served, wait_for
 
@@ -68,7 +68,7 @@ def test_a_stream_sends_anthropics_events_in_order(served: Served) -> None:
 @contextlib.contextmanager
 def no_decodes(served: Served, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
     """Pings every 50 ms while the model decodes nothing until the yielded function lets it run."""
-    monkeypatch.setattr(app_module, "PING_SECONDS", 0.05)
+    monkeypatch.setattr(streaming, "PING_SECONDS", 0.05)
     served.backend.permits = threading.Semaphore(0)  # none left over from an earlier test
 
     def release() -> None:

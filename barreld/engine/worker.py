@@ -50,7 +50,7 @@ from barreld.engine.sequence import Sequence
 from barreld.engine.stops import StopScanner
 from barreld.engine.tools import forced_grammar, format_of
 from barreld.engine.warmstart import WarmStart, WarmStarts
-from barreld.errors import BarrelError, InvalidArgument, ResourceExhausted, Unavailable
+from barreld.errors import BarrelError, ContextLengthExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from barreld.names import FinishReason, SaveReason
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class ModelWorker:
 
     def _check_fits(self, n_tokens: int) -> None:
         if n_tokens >= self.backend.n_ctx:
-            raise InvalidArgument(
+            raise ContextLengthExceeded(
                 f"the prompt is {n_tokens} tokens but the context holds {self.backend.n_ctx}; "
                 f"shorten it or load the model with a larger --n-ctx"
             )

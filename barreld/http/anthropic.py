@@ -10,17 +10,21 @@ report (`barrel`: route, tier, keys, timings, why a miss missed) rides beside, a
 
 from __future__ import annotations
 
-import codecs
 import json
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from barreld.engine.chat import MAX_MESSAGES, Message, check_tool_history
-from barreld.engine.request import Done, Started, Token
-from barreld.engine.tools import CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
+from barreld.engine.registry import LoadedModel
+from barreld.engine.reply import Echo, Finish, ReasoningDelta, ReplyEvent, TextDelta
+from barreld.engine.request import Started
+from barreld.engine.tools import ToolCall, ToolSpec, tool, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.http.openai import ApiRequest, Body, barrel_doc, cache_salt, sampling, stop_strings, utf8
+from barreld.http.body import Body, cache_salt, sampling, stop_strings, utf8
+from barreld.http.errors import ApiError
+from barreld.http.report import barrel_doc
+from barreld.service.request import CallRequest
 
 ROLES = ("user", "assistant", "system")  # Claude Code sends system turns inside messages
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {type: tool, name}: that tool
@@ -37,7 +41,7 @@ def error_doc(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> ApiRequest:
+def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> CallRequest:
     """A Messages request as Barrel runs it; count_tokens sends no max_tokens."""
     body = Body(doc)
     max_tokens = body.get("max_tokens", int, "an integer")
@@ -48,21 +52,17 @@ def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> ApiRequest
     model = body.get("model", str, "a string")
     if not model:
         raise InvalidArgument("model is missing; send a model's name or one of its aliases")
-    return ApiRequest(
-        chat=True,
+    return CallRequest(
         model=model,
         stream=bool(body.get("stream", bool, "true or false")),
-        include_usage=False,
-        prompt=b"",
         messages=messages_of(body),
         max_tokens=max_tokens,
-        sampling=sampling(body),
-        constraint=("", None, False),
-        logprobs=None,
-        stop=stop_strings(body, "stop_sequences"),
-        parent_key="",
-        tools=tools_of(body),
+        until_full=True,
         capped=True,
+        sampling=sampling(body),
+        stop=stop_strings(body, "stop_sequences"),
+        tools=tools_of(body),
+        echo=Echo.OBJECT,
         cache_salt=cache_salt(body),
     )
 
@@ -116,12 +116,6 @@ def _tool_use(block: dict, at: str) -> ToolCall:
     if not isinstance(given, dict):
         raise InvalidArgument(f"{at}.input must be an object")
     return ToolCall(_string(block, "id", at), _string(block, "name", at), _arguments(given))
-
-
-def resent_tool_use(call: ToolCall) -> ToolCall:
-    """A call of Barrel's reply as it comes back in a later request: a tool_use block's `input` is an object,
-    read back to arguments text the way every tool_use block is."""
-    return ToolCall(call.id, call.name, _arguments(json.loads(call.arguments)))
 
 
 def _arguments(given: dict) -> str:
@@ -187,75 +181,85 @@ def _tool_block(c: ToolCall) -> dict[str, Any]:
 
 
 class MessagesReply:
-    """Shapes one request's events as Anthropic's message, whole or as SSE events: a text block while text
-    comes, then one tool_use block per call (its input as one input_json_delta)."""
+    """Shapes one request's reply events as Anthropic's message, whole or as SSE events: a thinking block while
+    the model reasons, a text block while text comes, then one tool_use block per call (its input as one
+    input_json_delta)."""
 
-    def __init__(self, req: ApiRequest, model: str) -> None:
-        self.req = req
-        self.model = model
+    ping = PING
+    tail = b""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model.name
         self.id = "msg_" + secrets.token_hex(12)
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._calls = CallStream(req.tools) if req.tools is not None else None
         self._blocks = 0  # content blocks opened
-        self._text_open = False
+        self._open: str | None = None  # the kind of the block open now
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
 
-    def stop(self, done: Done, calls: tuple[ToolCall, ...]) -> dict[str, Any]:
-        if calls:
+    @staticmethod
+    def stop(finish: Finish) -> dict[str, Any]:
+        done = finish.done
+        if finish.calls:
             return {"stop_reason": "tool_use", "stop_sequence": None}
         if done.stop:
             return {"stop_reason": "stop_sequence", "stop_sequence": done.stop.decode("utf-8", "replace")}
         return {"stop_reason": "max_tokens" if done.finish_reason == "length" else "end_turn", "stop_sequence": None}
 
-    def document(self, done: Done) -> dict[str, Any]:
-        text = done.text.decode("utf-8", "replace")
-        text, calls = split_calls(text, self.req.tools) if self.req.tools is not None else (text, ())
-        content = [{"type": "text", "text": text}] if text or not calls else []
-        return {**self._head(), "content": content + [_tool_block(c) for c in calls], **self.stop(done, calls),
-                "usage": usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens),
-                "barrel": barrel_doc(done)}
+    def document(self, finish: Finish) -> dict[str, Any]:
+        done = finish.done
+        thinking = [{"type": "thinking", "thinking": finish.reasoning, "signature": ""}] if finish.reasoning else []
+        text = [{"type": "text", "text": finish.content}] if finish.content or not finish.calls else []
+        return {**self._head(), "content": thinking + text + [_tool_block(c) for c in finish.calls],
+                **self.stop(finish), "usage": usage(done.prompt_tokens, done.cache.restored_tokens,
+                                                     done.completion_tokens), "barrel": barrel_doc(finish)}
 
-    def events(self, ev: Started | Token | Done) -> list[bytes]:
+    @staticmethod
+    def error(error: ApiError) -> bytes:
+        return event("error", {"error": error_doc(error.status, error.message)["error"]})
+
+    def frames(self, ev: ReplyEvent) -> list[bytes]:
         if isinstance(ev, Started):
             message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
                        "usage": usage(ev.prompt_tokens, ev.cache.restored_tokens, 0)}
             return [event("message_start", {"message": message})]
-        if isinstance(ev, Token):
-            text = self._decoder.decode(ev.text)
-            return self._text(self._calls.feed(text) if self._calls is not None else text)
+        if isinstance(ev, TextDelta):
+            return self._delta("text", ev.text)
+        if isinstance(ev, ReasoningDelta):
+            return self._delta("thinking", ev.text)
         return self._end(ev)
 
-    def _text(self, text: str) -> list[bytes]:
+    def _delta(self, kind: str, text: str) -> list[bytes]:
+        """A text or thinking delta, in a block of its kind (the open one, or a new one after closing it)."""
         if not text:
             return []
         out = []
-        if not self._text_open:
-            self._text_open = True
-            out.append(event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
-            self._blocks = 1
-        out.append(event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}))
+        if self._open != kind:
+            out += self._close()
+            self._open = kind
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": ""}
+            out.append(event("content_block_start", {"index": self._blocks, "content_block": block}))
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        out.append(event("content_block_delta", {"index": self._blocks, "delta": delta}))
         return out
 
-    def _end(self, done: Done) -> list[bytes]:
-        rest = self._decoder.decode(b"", final=True)
-        calls: tuple[ToolCall, ...] = ()
-        if self._calls is not None:
-            rest = self._calls.feed(rest)
-            tail, calls = self._calls.finish()
-            rest += tail
-        out = self._text(rest)
-        if self._text_open:
-            out.append(event("content_block_stop", {"index": 0}))
-        for c in calls:
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        self._blocks += 1
+        return [event("content_block_stop", {"index": self._blocks - 1})]
+
+    def _end(self, finish: Finish) -> list[bytes]:
+        out = self._close()
+        for c in finish.calls:
             i, self._blocks = self._blocks, self._blocks + 1
             out.append(event("content_block_start", {"index": i, "content_block": {**_tool_block(c), "input": {}}}))
             out.append(event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
                                                                             "partial_json": c.arguments}}))
             out.append(event("content_block_stop", {"index": i}))
+        done = finish.done
         counts = usage(done.prompt_tokens, done.cache.restored_tokens, done.completion_tokens)
-        out.append(event("message_delta", {"delta": self.stop(done, calls), "usage": counts,
-                                           "barrel": barrel_doc(done)}))
+        out.append(event("message_delta", {"delta": self.stop(finish), "usage": counts, "barrel": barrel_doc(finish)}))
         out.append(event("message_stop", {}))
         return out

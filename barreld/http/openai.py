@@ -1,99 +1,47 @@
-"""OpenAI's request and reply shapes for /v1/completions and /v1/chat/completions, as pure functions over
-dicts: the request body to a CompletionParams factory, the worker's events to reply documents and chunks.
+"""OpenAI's chat and completions APIs (/v1/chat/completions, /v1/completions): the request body to the one
+request type, the engine's reply events to OpenAI's documents and SSE chunks.
 
-Fields OpenAI has and Barrel does not use are ignored, as OpenAI ignores unknown ones; a field of the wrong
-type is InvalidArgument (400). max_tokens defaults as OpenAI's does: 16 for completions, and no limit for chat
-(generation ends at a stop or when the context is full). Temperature defaults to Barrel's 0 (greedy), not
-OpenAI's 1. Beside OpenAI's sampling fields, llama.cpp's server's are read too (top_k, min_p, typical_p,
-repeat_penalty, repeat_last_n, grammar); `response_format` and `grammar` constrain the reply.
+max_tokens defaults as OpenAI's does: 16 for completions, and no limit for chat (generation ends at a stop or
+when the context is full). Temperature defaults to Barrel's 0 (greedy), not OpenAI's 1. Beside OpenAI's
+sampling fields, llama.cpp's server's are read too (top_k, min_p, typical_p, repeat_penalty, repeat_last_n,
+grammar); `response_format` and `grammar` constrain the reply.
 """
 
 from __future__ import annotations
 
-import codecs
-import dataclasses
 import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from barreld.engine.chat import Message, messages_from
-from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
-from barreld.engine.sampling import KNOBS, SamplingParams
-from barreld.engine.tools import CHOICES, CallStream, ToolCall, ToolSpec, split_calls, tool, tool_spec
+from barreld.engine.registry import LoadedModel
+from barreld.engine.reply import Finish, ReasoningDelta, ReplyEvent, TextDelta
+from barreld.engine.request import Alternative, Started, TokenLogprob
+from barreld.engine.tools import CHOICES, ToolCall, ToolSpec, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.frontend.calls import check_cache_salt, completion_params, constraint
+from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, utf8
+from barreld.http.errors import ApiError
+from barreld.http.report import barrel_doc, system_fingerprint
+from barreld.http.streaming import sse_line
+from barreld.service.request import CallRequest
 
 COMPLETIONS_MAX_TOKENS = 16
-DEFAULT_TEMPERATURE = 0.0
 DONE_LINE = b"data: [DONE]\n\n"
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
-class Body:
-    """A request body with typed reads: a present field of the wrong type is a 400 naming it."""
-
-    def __init__(self, doc: Mapping[str, Any]) -> None:
-        self.doc = doc
-
-    def get(self, name: str, kind: type | tuple[type, ...], what: str) -> Any:
-        value = self.doc.get(name)
-        if value is None:
-            return None
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-            raise InvalidArgument(f"{name} must be {what}, got {type(value).__name__}")
-        return value
-
-
 @dataclass(frozen=True)
-class ApiRequest:
-    """One completion request as Barrel runs it."""
+class OpenAIRequest:
+    """A chat or completions request: the call, and what shapes its reply."""
 
+    call: CallRequest
     chat: bool
-    model: str
-    stream: bool
     include_usage: bool
-    prompt: bytes
-    messages: tuple[Message, ...]
-    max_tokens: int | None
-    sampling: SamplingParams  # without its grammar, which `params` adds off the event loop
-    constraint: tuple[str, object, bool]  # GBNF, JSON schema, any JSON object: calls.constraint's arguments
-    logprobs: int | None  # None: not asked for; N: N alternatives per token
-    stop: tuple[str, ...]
-    parent_key: str
-    tools: ToolSpec | None = None
-    capped: bool = False  # max_tokens above the model's n_ctx is cut to it, not refused
-    cache_salt: str = ""  # separates the caller's requests further within its tenant (vLLM's name)
-    namespace: Namespace = DEFAULT_NAMESPACE  # the tenant and salt, set once the key is known
-
-    def params(self, n_ctx: int) -> CompletionParams:
-        """The worker's parameters, checked by the same rules as gRPC's against the model's n_ctx. A grammar is
-        parsed here, on the call's own thread: a client's GBNF is parsed in a child process first."""
-        return completion_params(
-            n_ctx=n_ctx,
-            prompt=self.prompt,
-            messages=self.messages,
-            max_tokens=self._max_tokens(n_ctx),
-            sampling=dataclasses.replace(self.sampling, grammar=constraint(*self.constraint)),
-            logprobs=self.logprobs,
-            stop=self.stop,
-            parent_key=self.parent_key,
-            tools=self.tools,
-            namespace=self.namespace,
-        )
 
 
-    def _max_tokens(self, n_ctx: int) -> int:
-        """None: until a stop or the context is full; above n_ctx: refused, unless `capped`."""
-        if self.max_tokens is None:
-            return n_ctx
-        return min(self.max_tokens, n_ctx) if self.capped else self.max_tokens
-
-
-def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
+def parse_request(doc: Mapping[str, Any], chat: bool) -> OpenAIRequest:
     body = Body(doc)
     if body.get("n", int, "an integer") not in (None, 1):
         raise InvalidArgument("n must be 1: Barrel returns one choice per request")
@@ -108,14 +56,13 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         max_tokens = max_tokens if newer is None else newer
     elif max_tokens is None:
         max_tokens = COMPLETIONS_MAX_TOKENS
-    return ApiRequest(
-        chat=chat,
+    call = CallRequest(
         model=body.get("model", str, "a string") or "",
         stream=stream,
-        include_usage=bool(include_usage),
         prompt=b"" if chat else _prompt(body),
         messages=_messages(body) if chat else (),
         max_tokens=max_tokens,
+        until_full=True,
         sampling=sampling(body),
         constraint=(body.get("grammar", str, "a string of GBNF") or "", *_response_format(body)),
         logprobs=_logprobs(body, chat),
@@ -124,10 +71,7 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> ApiRequest:
         tools=_tools(body) if chat else None,
         cache_salt=cache_salt(body),
     )
-
-
-def cache_salt(body: Body) -> str:
-    return check_cache_salt(body.get("cache_salt", str, "a string") or "")
+    return OpenAIRequest(call, chat, bool(include_usage))
 
 
 def _tools(body: Body) -> ToolSpec | None:
@@ -138,7 +82,7 @@ def _tools(body: Body) -> ToolSpec | None:
         f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(f, dict):
             raise InvalidArgument(f"tools[{i}] must be {{type: function, function: {{name, description, parameters}}}}")
-        tools.append(tool(f.get("name"), f.get("description"), f.get("parameters"), f"tools[{i}].function"))
+        tools.append(function_tool(f, f"tools[{i}].function"))
     parallel = body.get("parallel_tool_calls", bool, "true or false")
     return tool_spec(tools, _tool_choice(body), parallel is not False)
 
@@ -151,35 +95,6 @@ def _tool_choice(body: Body) -> str:
     if not isinstance(named, dict) or not isinstance(named.get("name"), str):
         raise InvalidArgument("tool_choice must be auto, none, required or {type: function, function: {name}}")
     return named["name"]
-
-
-NUMBER = ((int, float), "a number")
-WHOLE = (int, "an integer")
-SAMPLING_FIELDS = {name: WHOLE if kind is int else NUMBER for name, kind in KNOBS.items()}
-
-
-def sampling(body: Body) -> SamplingParams:
-    """The sampler's settings under OpenAI's names and llama.cpp's server's; absent ones at their defaults."""
-    temperature = body.get("temperature", (int, float), "a number")
-    given = {name: body.get(name, *kind) for name, kind in SAMPLING_FIELDS.items()}
-    return SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
-        seed=body.get("seed", int, "an integer"),
-        logit_bias=_logit_bias(body),
-        **{name: value for name, value in given.items() if value is not None},
-    )
-
-
-def _logit_bias(body: Body) -> tuple[tuple[int, float], ...]:
-    bias = body.get("logit_bias", dict, "an object mapping token ids to numbers") or {}
-    out = []
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise InvalidArgument(f"bad logit_bias key {key[:40]!r}: expected a token id (a whole number)")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise InvalidArgument(f"bad logit_bias[{key}]: expected a number from -100 to 100")
-        out.append((int(key), float(value)))
-    return tuple(out)
 
 
 def _response_format(body: Body) -> tuple[object, bool]:
@@ -221,24 +136,6 @@ def _prompt(body: Body) -> bytes:
     return utf8(prompt, "prompt")
 
 
-def utf8(text: str, what: str) -> bytes:
-    """JSON can spell a lone UTF-16 surrogate (\\ud800), which no UTF-8 text holds: a 400, not a crash."""
-    try:
-        return text.encode()
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"{what} holds an unpaired surrogate (\\ud800-\\udfff); send valid Unicode") from None
-
-
-def stop_strings(body: Body, name: str = "stop") -> tuple[str, ...]:
-    stop = body.get(name, (str, list), "a string or a list of strings")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) for s in stops):
-        raise InvalidArgument(f"{name} must be a string or a list of strings")
-    for s in stops:
-        utf8(s, name)
-    return stops
-
-
 def _messages(body: Body) -> tuple[Message, ...]:
     """OpenAI's messages, with content given as a list of text parts joined into one string."""
     messages = body.get("messages", list, "a list of messages")
@@ -267,31 +164,14 @@ def _content(i: int, content: object) -> object:
     return _content(i, "".join(texts))
 
 
-def usage_doc(done: Done) -> dict[str, Any]:
+def usage_doc(finish: Finish) -> dict[str, Any]:
+    done = finish.done
     return {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cache.restored_tokens},
-    }
-
-
-def barrel_doc(done: Done) -> dict[str, Any]:
-    """Barrel's own report beside `usage`: the lookup route, tier and keys (pass `key` back as
-    `parent_key`), and where the time went."""
-    c = done.cache
-    return {
-        "cache": {
-            "path": c.route.value,
-            "restored_tokens": c.restored_tokens,
-            "prefilled_tokens": c.prefilled_tokens,
-            "tier": c.tier,
-            **({} if c.divergence is None else {"divergence": c.divergence.doc()}),
-        },
-        "key": done.key.hex(),
-        "prompt_key": done.prompt_key.hex(),
-        "timings_ms": dataclasses.asdict(done.timings),
-        **({} if done.prefix_kept is None else {"prefix_kept": done.prefix_kept}),
+        "completion_tokens_details": {"reasoning_tokens": finish.reasoning_tokens},
     }
 
 
@@ -304,70 +184,69 @@ def _token_doc(a: Alternative) -> dict[str, Any]:
 
 
 class Reply:
-    """Shapes one request's events as OpenAI replies: one document, or SSE chunks as tokens arrive.
+    """Shapes one request's reply events as OpenAI replies: one document, or SSE chunks as they arrive."""
 
-    Tokens are bytes and may split a UTF-8 character; an incremental decoder holds the part until the
-    rest arrives, so every chunk is valid text and the chunks join to the whole reply.
-    """
+    ping = b": keep-alive\n\n"
+    tail = DONE_LINE
 
-    def __init__(self, req: ApiRequest, model: str) -> None:
+    def __init__(self, req: OpenAIRequest, model: LoadedModel) -> None:
         self.req = req
-        self.model = model
+        self.model = model.name
+        self.fingerprint = system_fingerprint(model)
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.object = "chat.completion" if req.chat else "text_completion"
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._calls = CallStream(req.tools) if req.chat and req.tools is not None else None
         self._offset = 0  # characters of text before the next token, for text_offset
 
-    def document(self, done: Done) -> dict[str, Any]:
-        text = done.text.decode("utf-8", "replace")
+    def document(self, finish: Finish) -> dict[str, Any]:
+        done = finish.done
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(done.logprobs),
-                                  "finish_reason": done.finish_reason}
+                                  "finish_reason": finish.reason.value}
         if self.req.chat:
-            choice["message"] = self._message(text, choice)
+            choice["message"] = self._message(finish)
         else:
-            choice["text"] = text
-        return {**self._head(self.object), "choices": [choice], "usage": usage_doc(done), "barrel": barrel_doc(done)}
+            choice["text"] = done.text.decode("utf-8", "replace")
+        return {**self._head(self.object), "choices": [choice], "usage": usage_doc(finish),
+                "barrel": barrel_doc(finish)}
 
-    def _message(self, text: str, choice: dict[str, Any]) -> dict[str, Any]:
-        """The assistant's message; calls found in the reply become `tool_calls`."""
-        content, calls = split_calls(text, self.req.tools) if self.req.tools is not None else (text, ())
-        if not calls:
-            return {"role": "assistant", "content": text}
-        choice["finish_reason"] = "tool_calls"
-        return {"role": "assistant", "content": content or None, "tool_calls": [_call_doc(c) for c in calls]}
+    @staticmethod
+    def _message(finish: Finish) -> dict[str, Any]:
+        """The assistant's message; calls the engine found become `tool_calls`, reasoning `reasoning_content`."""
+        message: dict[str, Any] = {"role": "assistant", "content": finish.content}
+        if finish.reasoning:
+            message["reasoning_content"] = finish.reasoning
+        if finish.calls:
+            message.update(content=finish.content or None, tool_calls=[_call_doc(c) for c in finish.calls])
+        return message
 
-    def chunks(self, ev: Started | Token | Done) -> list[dict[str, Any]]:
-        """The SSE chunks one event becomes (none for a token that only begins a character, or text held
-        back because it may begin a tool call)."""
+    def frames(self, ev: ReplyEvent) -> list[bytes]:
+        return [sse_line(chunk) for chunk in self.chunks(ev)]
+
+    @staticmethod
+    def error(error: ApiError) -> bytes:
+        return sse_line(error.doc())
+
+    def chunks(self, ev: ReplyEvent) -> list[dict[str, Any]]:
+        """The SSE chunks one event becomes (none for a token whose text is held back)."""
         if isinstance(ev, Started):
             return [self._chunk({"role": "assistant", "content": ""})] if self.req.chat else []
-        if isinstance(ev, Token):
-            text = self._decoder.decode(ev.text)
-            text = self._calls.feed(text) if self._calls is not None else text
-            return [self._chunk(self._delta(text), logprobs=ev.logprobs)] if text or ev.logprobs else []
-        rest = self._decoder.decode(b"", final=True)
-        calls: tuple[ToolCall, ...] = ()
-        if self._calls is not None:
-            shown = self._calls.feed(rest)
-            tail, calls = self._calls.finish()
-            rest = shown + tail
-        out = [self._chunk(self._delta(rest))] if rest else []
-        for i, c in enumerate(calls):  # the id and name first, then the arguments
+        if isinstance(ev, TextDelta):
+            return [self._chunk(self._delta(ev.text), logprobs=ev.logprobs)] if ev.text or ev.logprobs else []
+        if isinstance(ev, ReasoningDelta):
+            return [self._chunk({"reasoning_content": ev.text})] if self.req.chat else []
+        out = []
+        for i, c in enumerate(ev.calls):  # the id and name first, then the arguments
             head = {**_call_doc(c), "index": i, "function": {"name": c.name, "arguments": ""}}
             out.append(self._chunk({"tool_calls": [head]}))
             out.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]}))
-        finish = "tool_calls" if calls else ev.finish_reason
-        out.append(self._chunk({} if self.req.chat else {"text": ""}, finish))
+        out.append(self._chunk({} if self.req.chat else {"text": ""}, ev.reason.value))
         if self.req.include_usage:
             out.append({**self._head(), "choices": [], "usage": usage_doc(ev)})
         out[-1]["barrel"] = barrel_doc(ev)
         return out
-
     def _logprobs(self, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         """OpenAI's logprobs object: chat's `content` list, or the completions API's parallel lists."""
-        if self.req.logprobs is None:
+        if self.req.call.logprobs is None:
             return None
         if self.req.chat:
             return {"content": [{**_token_doc(e.chosen), "top_logprobs": [_token_doc(a) for a in e.top]}
@@ -388,8 +267,9 @@ class Reply:
 
     def _head(self, kind: str | None = None) -> dict[str, Any]:
         kind = kind or ("chat.completion.chunk" if self.req.chat else "text_completion")
-        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-        if self.req.stream and self.req.include_usage:
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+        if self.req.call.stream and self.req.include_usage:
             head["usage"] = None  # OpenAI's chunks say "no usage yet" until the last one
         return head
 

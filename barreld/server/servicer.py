@@ -17,30 +17,24 @@ import barreld
 from barreld.cache.key import Namespace
 from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
-from barreld.engine.request import Alternative, CompletionParams, Done, Started, Token, TokenLogprob
+from barreld.engine.reply import Finish, TextDelta
+from barreld.engine.request import Alternative, Started, TokenLogprob
 from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.engine.tools import format_of
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
-from barreld.frontend.calls import (
-    check_cache_salt,
-    check_model_name,
-    completion_params,
-    constraint,
-    parse_schema,
-    show,
-    start_call,
-)
 from barreld.names import DEFAULT_TENANT, REDIS_TIER, TIER_NAMES, Fingerprint, tenant_label
 from barreld.rpc import barrel_pb2 as pb
 from barreld.rpc import barrel_pb2_grpc as pb_grpc
 from barreld.server.status import rpc
+from barreld.service.calls import check_cache_salt, check_model_name, parse_schema, show, start_call
+from barreld.service.request import CallRequest
 from barreld.tenants import Tenants
 
 if TYPE_CHECKING:
     from barreld.cache import CacheStore
     from barreld.cache.remote.tier import RemoteTier
-    from barreld.frontend.metrics import Metrics
     from barreld.server.peers import Peers
+    from barreld.service.metrics import Metrics
 
 MAX_PATH = 4096  # PATH_MAX
 MAX_POLICY_ITEMS = 32
@@ -86,33 +80,29 @@ def load_fingerprint(text: str, default: Fingerprint) -> Fingerprint:
         raise InvalidArgument(f"bad fingerprint {show(text)}: {exc}") from None
 
 
-def grpc_params(req: pb.CompleteRequest, n_ctx: int, namespace: Namespace) -> CompletionParams:
-    return completion_params(
-        n_ctx=n_ctx,
+def grpc_request(req: pb.CompleteRequest, namespace: Namespace) -> CallRequest:
+    """The one request type, filled from a gRPC request; the sampler's fields that are set, the rest at their
+    defaults."""
+    s = req.sampling
+    return CallRequest(
+        model=req.model,
         prompt=req.prompt,
         chat=req.chat,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         messages=messages_from({"role": m.role, "content": m.content} for m in req.messages) if req.messages else (),
         chat_template=req.chat_template or None,
-        sampling=grpc_sampling(req),
+        sampling=SamplingParams(
+            temperature=req.temperature,
+            seed=req.seed if req.HasField("seed") else None,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            **{name: getattr(s, name) for name in KNOBS if s.HasField(name)},
+        ),
+        constraint=(s.grammar, parse_schema(s.json_schema) if s.json_schema else None, s.json_object),
         logprobs=req.logprobs if req.HasField("logprobs") else None,
-        stop=req.stop,
+        stop=tuple(req.stop),
         parent_key=req.parent_key,
         explain=req.explain,
         namespace=namespace,
-    )
-
-
-def grpc_sampling(req: pb.CompleteRequest) -> SamplingParams:
-    """The sampler's settings: each field that is set, the rest at their defaults."""
-    s = req.sampling
-    schema = parse_schema(s.json_schema) if s.json_schema else None
-    return SamplingParams(
-        temperature=req.temperature,
-        seed=req.seed if req.HasField("seed") else None,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
-        grammar=constraint(s.grammar, schema, s.json_object),
-        **{name: getattr(s, name) for name in KNOBS if s.HasField(name)},
     )
 
 
@@ -168,7 +158,8 @@ def cache_info(c) -> pb.CacheInfo:
     )
 
 
-def done_message(ev: Done, model: str) -> pb.CompleteDone:
+def done_message(finish: Finish, model: str) -> pb.CompleteDone:
+    ev = finish.done
     t = ev.timings
     return pb.CompleteDone(
         text=ev.text,
@@ -248,9 +239,7 @@ class Servicer(pb_grpc.BarrelServicer):
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[pb.CompleteEvent]:
         self._check_open()
         namespace = self._namespace(request, context)
-        call = start_call(
-            self.registry, request.model, lambda n_ctx: grpc_params(request, n_ctx, namespace), self.metrics, "grpc"
-        )
+        call = start_call(self.registry, grpc_request(request, namespace), self.metrics, "grpc")
         context.add_callback(call.cancel)
         for ev in call:
             if isinstance(ev, Started):
@@ -260,9 +249,9 @@ class Servicer(pb_grpc.BarrelServicer):
                         model=call.model.name,
                     )
                 )
-            elif isinstance(ev, Token):
-                yield pb.CompleteEvent(token=pb.CompleteToken(text=ev.text, logprobs=logprob_messages(ev.logprobs)))
-            else:
+            elif isinstance(ev, TextDelta):
+                yield pb.CompleteEvent(token=pb.CompleteToken(text=ev.raw, logprobs=logprob_messages(ev.logprobs)))
+            elif isinstance(ev, Finish):
                 yield pb.CompleteEvent(done=done_message(ev, call.model.name))
 
     @rpc

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from barreld.errors import BarrelError
-from barreld.frontend.calls import client_error
+from barreld.service.calls import client_error
 
 log = logging.getLogger(__name__)
 

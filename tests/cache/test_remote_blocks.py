@@ -8,7 +8,7 @@ import pytest
 
 from barreld.cache.remote.redis import HEADER, ROW_KIND, Ref
 from barreld.cache.remote.tier import BLOCK_KIND
-from barreld.frontend.metrics import Metrics
+from barreld.service.metrics import Metrics
 from tests.cache.conftest import SCHEME
 from tests.cache.remote_hosts import Host, publish, restored
 from tests.cache.test_blocks import B, ckpt, state

@@ -136,9 +136,9 @@ LAYERS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
      "barreld.address", "barreld.lifecycle", "barreld.rpc"),
     ("barreld.cache", "barreld.pressure"),  # the cache core (plain Python); memory pressure readings
     ("barreld.engine", "barreld.tenants"),  # llama.cpp, the lookup routes, the save policy, sampling; who asks
-    ("barreld.config", "barreld.frontend"),  # the config file; what both front ends share
-    ("barreld.http",),  # the HTTP front end
-    ("barreld.server",),  # the gRPC front end, and the Daemon that wires both front ends
+    ("barreld.config", "barreld.service"),  # the config file; the one request type and call every front end uses
+    ("barreld.http", "barreld.server"),  # the front ends: the HTTP APIs, gRPC
+    ("barreld.daemon",),  # the composition root: wires the store, the models and both front ends
     ("barreld.main", "barreld.supervise"),  # barreld's command line and its watcher
     ("barreld.__main__",),
     ("barrelctl",),  # a client: of barreld it imports CLIENT_PIECES only

@@ -13,9 +13,9 @@ from barrelctl.errors import CliError
 from barreld.cache.key import DEFAULT_NAMESPACE
 from barreld.engine.chat import Message
 from barreld.errors import InvalidArgument
-from barreld.frontend.calls import MAX_TEMPLATE
 from barreld.rpc import barrel_pb2 as pb
-from barreld.server.servicer import grpc_params
+from barreld.server.servicer import grpc_request
+from barreld.service.calls import MAX_TEMPLATE
 from tests.support.sandbox import Sandbox
 
 BAD_FILES = [
@@ -122,14 +122,14 @@ USER = [pb.Message(role="user", content="hi")]
 ])
 def test_the_daemon_checks_a_requests_messages(fields: dict, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        grpc_params(_request(**fields), 4096, DEFAULT_NAMESPACE)
+        grpc_request(_request(**fields), DEFAULT_NAMESPACE).params(4096)
     assert says in str(caught.value)
 
 
 def test_messages_reach_the_engine_with_their_template() -> None:
-    params = grpc_params(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), 4096, DEFAULT_NAMESPACE)
+    params = grpc_request(_request(messages=USER, chat=True, chat_template="{{ 1 }}"), DEFAULT_NAMESPACE).params(4096)
     assert params.messages == (Message("user", "hi"),)
     assert params.chat_template == "{{ 1 }}"
-    chat = grpc_params(_request(prompt=b"x", chat=True, chat_template="t"), 4096, DEFAULT_NAMESPACE)
+    chat = grpc_request(_request(prompt=b"x", chat=True, chat_template="t"), DEFAULT_NAMESPACE).params(4096)
     assert chat.chat_template == "t"
-    assert grpc_params(_request(prompt=b"x"), 4096, DEFAULT_NAMESPACE).chat_template is None
+    assert grpc_request(_request(prompt=b"x"), DEFAULT_NAMESPACE).params(4096).chat_template is None

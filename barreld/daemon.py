@@ -15,18 +15,21 @@ from barreld.engine.decodecheck import DecodeCheck
 from barreld.engine.exactness import ReuseProbe
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.errors import BarrelError
-from barreld.frontend.metrics import Metrics
 from barreld.lifecycle import DataDirLock, ShutdownSignal, StartupError, notify_systemd
 from barreld.pressure.scheduler import PressureScheduler
 from barreld.pressure.sources import make_source
 from barreld.server.grpc_server import GrpcServer
 from barreld.server.peers import Peers
 from barreld.server.servicer import Servicer
+from barreld.service.metrics import Metrics
 
 if TYPE_CHECKING:
+    from barreld.http.response_store import ResponseStore
     from barreld.http.server import HttpServer
 
 log = logging.getLogger(__name__)
+
+RESPONSES_FILE = "responses.sqlite"  # in the data directory
 
 
 class Daemon:
@@ -44,6 +47,7 @@ class Daemon:
         self.servicer: Servicer | None = None
         self.peers: Peers | None = None
         self.http: HttpServer | None = None
+        self.responses: ResponseStore | None = None  # the Responses API's stored responses, with HTTP
         self.ready = threading.Event()  # the configured models are loaded
         self.previous_death: Death | None = None  # how the last daemon on this socket ended, if it died
 
@@ -111,10 +115,12 @@ class Daemon:
 
     def _start_http(self, metrics: Metrics) -> None:
         from barreld.http.app import DaemonState, HttpApi
+        from barreld.http.response_store import ResponseStore
 
         death = self.previous_death.sentence() if self.previous_death else None
         state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.servicer.stopping, previous_death=death)
-        api = HttpApi(self.registry, metrics, state, self.config.http.tenants)
+        self.responses = ResponseStore(self.data_dir / RESPONSES_FILE)
+        api = HttpApi(self.registry, metrics, state, self.config.http.tenants, self.responses)
         self.http.start(api.app)
 
     def _open_store(self):
@@ -199,6 +205,8 @@ class Daemon:
             self.scheduler.stop()
         if self.store is not None:
             self.store.close()
+        if self.responses is not None:
+            self.responses.close()
         remove_record(self.socket)
         self.lock.release()
         log.info("stopped (%d shutdown saves)", saved)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from barreld.cache.errors import IndexWriteError
@@ -17,14 +18,16 @@ from barreld.engine.chat import Message
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.grammar import JSON_OBJECT, schema_grammar
 from barreld.engine.registry import LoadedModel, ModelRegistry
-from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed, Started, Token
+from barreld.engine.reply import Echo, Finish, ReplyEvent, ReplyReader, sets_reasoning_apart
+from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed
 from barreld.engine.sampling import SamplingParams, check_logprobs
 from barreld.engine.tools import ToolSpec
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
 from barreld.names import MODEL_NAME_MAX, stops_problem
 
 if TYPE_CHECKING:
-    from barreld.frontend.metrics import Metrics
+    from barreld.service.metrics import Metrics
+    from barreld.service.request import CallRequest
 
 log = logging.getLogger("barreld.requests")
 
@@ -148,11 +151,14 @@ def check_conversation(prompt: bytes, messages: tuple[Message, ...], chat: bool,
         raise InvalidArgument(f"the chat template is {len(template)} characters; at most {MAX_TEMPLATE}")
 
 
-Outcome = Started | Token | Done | Exception
+Outcome = ReplyEvent | Exception
 """An event as a front end sees it: a failed request is its error."""
 
 Deliver = Callable[["Call", Outcome], None]
-"""Takes a call's events on the worker's thread, in order (the HTTP API passes them to its event loop)."""
+"""Takes a call's events in order (the HTTP API passes them to its event loop): on the worker's thread, and the
+Finish of a reply that called tools on a thread that checks it against its template."""
+
+_settling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="settle")  # prefix_kept renders, off the worker
 
 
 def log_done(api: str, model: str, done: Done) -> None:
@@ -164,11 +170,11 @@ def log_done(api: str, model: str, done: Done) -> None:
 
 
 class Call:
-    """One completion in flight. Iterating yields its Started and Token events and ends with Done; a
-    failure raises the worker's error. `cancel()` (the client went away) makes the worker stop generating
-    and finish the request, so a thread blocked on the next event is released too.
+    """One completion in flight. Iterating yields its events (Started, text, reasoning) and ends with the
+    Finish; a failure raises the worker's error. `cancel()` (the client went away) makes the worker stop
+    generating and finish the request, so a thread blocked on the next event is released too.
 
-    With `deliver`, the worker hands each event to it as it comes instead (not to be iterated then)."""
+    With `deliver`, each event is handed to it as it comes instead (not to be iterated then)."""
 
     def __init__(
         self,
@@ -177,64 +183,87 @@ class Call:
         metrics: Metrics | None,
         api: str,
         deliver: Deliver | None = None,
+        echo: Echo = Echo.TEXT,
     ) -> None:
         self.model = model
         self.metrics = metrics
         self.api = api
-        self.done: Done | None = None
+        self.finish: Finish | None = None
+        template = params.chat_template or model.worker.backend.chat_template
+        reasons = sets_reasoning_apart(template) and bool(params.messages or params.chat)
+        self.reader = ReplyReader(params, reasons, echo)
+        self._ready: list[ReplyEvent] = []
         self.request = model.worker.submit(params, None if deliver is None else _Handoff(self, deliver))
 
-    def outcome(self, ev: Event) -> Outcome:
-        """Counts the request once it has ended."""
+    def outcome(self, ev: Event) -> list[Outcome]:
+        """The front end's events for one of the worker's; counts the request once it has ended."""
         if isinstance(ev, Failed):
             if self.metrics is not None:
                 self.metrics.failed(self.api, self.model.name)
-            return ev.error
-        if isinstance(ev, Done):
-            self.done = ev
-            if self.metrics is not None:
-                self.metrics.finished(self.api, self.model.name, ev, self.request.params.namespace.tenant)
-            log_done(self.api, self.model.name, ev)
-        return ev
+            return [ev.error]
+        if not isinstance(ev, Done):
+            return list(self.reader.read(ev))
+        if self.metrics is not None:
+            self.metrics.finished(self.api, self.model.name, ev, self.request.params.namespace.tenant)
+        log_done(self.api, self.model.name, ev)
+        out = self.reader.finish(ev, self.request.params.prompt, self.model.worker.render)
+        self.finish = out[-1]  # type: ignore[assignment]
+        return list(out)
 
-    def next_event(self) -> Started | Token | Done:
-        """Blocks until the worker's next event."""
-        item = self.outcome(self.request.events.get())
-        if isinstance(item, Exception):
-            raise item
-        return item
+    def next_event(self) -> ReplyEvent:
+        """Blocks until the next event."""
+        while not self._ready:
+            for item in self.outcome(self.request.events.get()):
+                if isinstance(item, Exception):
+                    raise item
+                self._ready.append(item)
+        return self._ready.pop(0)
 
-    def __iter__(self) -> Iterator[Started | Token | Done]:
-        while self.done is None:
-            yield self.next_event()
+    def __iter__(self) -> Iterator[ReplyEvent]:
+        while True:
+            ev = self.next_event()
+            yield ev
+            if isinstance(ev, Finish):
+                return
 
     def cancel(self) -> None:
-        if self.done is None:
+        if self.finish is None:
             self.request.cancel()
             self.model.worker.wake()
 
 
 class _Handoff:
-    """The worker's event sink for a call with `deliver`."""
+    """The worker's event sink for a call with `deliver`. A Done that may need a template's render (a reply
+    to a conversation with tools) is read on the settling thread, so the model's thread goes on decoding."""
 
     def __init__(self, call: Call, deliver: Deliver) -> None:
         self._call = call
         self._deliver = deliver
 
     def put(self, item: Event) -> None:
-        self._deliver(self._call, self._call.outcome(item))
+        if isinstance(item, Done) and self._call.reader.params.tools is not None:
+            _settling.submit(self._hand, item)
+        else:
+            self._hand(item)
+
+    def _hand(self, item: Event) -> None:
+        try:
+            outcomes = self._call.outcome(item)
+        except Exception as exc:  # noqa: BLE001 - the front end answers it; the worker's thread goes on
+            outcomes = [exc]
+        for outcome in outcomes:
+            self._deliver(self._call, outcome)
 
 
 def start_call(
     registry: ModelRegistry,
-    model_name: str,
-    make_params: Callable[[int], CompletionParams],
+    request: CallRequest,
     metrics: Metrics | None,
     api: str,
     deliver: Deliver | None = None,
 ) -> Call:
-    """Finds the model (an empty name: the default, loaded if needed), builds the parameters against its
-    n_ctx and submits them; a full queue raises ResourceExhausted here, before any event."""
-    check_model_name(model_name)
-    model = registry.get(model_name)
-    return Call(model, make_params(model.options.n_ctx), metrics, api, deliver)
+    """Finds the model (an empty name: the default, loaded if needed), builds the request's parameters against
+    its n_ctx and submits them; a full queue raises ResourceExhausted here, before any event."""
+    check_model_name(request.model)
+    model = registry.get(request.model)
+    return Call(model, request.params(model.options.n_ctx), metrics, api, deliver, request.echo)
