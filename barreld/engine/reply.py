@@ -60,7 +60,7 @@ class Finish:
         of the whole reply only)."""
         whole = len(self.done.text)
         part = len(self.reasoning.encode())
-        return round(self.done.completion_tokens * part / whole) if whole and part else 0
+        return max(1, round(self.done.completion_tokens * part / whole)) if whole and part else 0
 
 
 ReplyEvent = Started | TextDelta | ReasoningDelta | Finish

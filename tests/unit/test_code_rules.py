@@ -322,3 +322,42 @@ def test_the_readme_code_map_names_files_that_exist_in_layer_order() -> None:
     assert not missing, f"no such files: {missing}"
     ranks = [layer(module_name(ROOT / p.replace("*", "x"))) for p in paths]
     assert ranks == sorted(ranks, reverse=True), f"out of the layers' order: {list(zip(paths, ranks, strict=True))}"
+
+
+# ---- the front ends: one module per API, over the engine's reply events -------------------------------------
+# Each API of the HTTP front end (its modules, by name); gRPC's is barreld.server.
+HTTP_APIS = {"openai": ("barreld.http.openai",), "anthropic": ("barreld.http.anthropic",),
+             "responses": ("barreld.http.responses", "barreld.http.response_store")}
+FRONT_ENDS = ("barreld.http", "barreld.server")
+# What reads a reply for tool calls or renders a conversation: the engine's, used by the call (service.calls).
+REPLY_READING = {"barreld.engine.tools": {"CallStream", "split_calls", "call_start", "marker_at"},
+                 "barreld.engine.chat": {"render", "render_conversation"},
+                 "barreld.engine.reply": {"ReplyReader", "keeps_prefix"}}
+
+
+def _imported_names(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of each `from module import name` in a file."""
+    return [(node.lineno, node.module or "", alias.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) for alias in node.names]
+
+
+def test_no_http_api_module_imports_another_api() -> None:
+    owner = {module: api for api, modules in HTTP_APIS.items() for module in modules}
+    assert set(owner) <= modules(), f"HTTP_APIS names modules that do not exist: {sorted(set(owner) - modules())}"
+    wrong = [str(i) for i in imports() if i.importer in owner and i.imported in owner
+             and owner[i.importer] != owner[i.imported]]
+    assert not wrong, "an API imports another API's module; move what both need below them:\n" + "\n".join(wrong)
+
+
+def test_front_ends_learn_of_tool_calls_only_from_the_engines_reply_events() -> None:
+    """No front end parses a reply for calls, reads it itself or renders the conversation again: the engine's
+    reply events (a Finish with its calls and prefix_kept) are the only way."""
+    wrong = [
+        f"{p.relative_to(ROOT)}:{line}: imports {name} from {module}"
+        for p in sources("barreld")
+        if module_name(p).startswith(FRONT_ENDS)
+        for line, module, name in _imported_names(p)
+        if name in REPLY_READING.get(module, ())
+    ]
+    assert not wrong, "take the calls from the Finish event instead:\n" + "\n".join(wrong)
+    assert any(name == "ReplyReader" for _, _, name in _imported_names(ROOT / "barreld/service/calls.py"))
