@@ -60,9 +60,15 @@ class RawHttp:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def completion(self, prompt: str) -> Sample:
-        body = json.dumps({"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-                           "stream": True}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        first, buf = self.post("/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 4,
+                                                   "temperature": 0, "stream": True}, self.FIRST_TEXT)
+        barrel = json.loads(self.CHUNK.findall(buf)[-1])["barrel"]
+        return Sample(first, barrel["cache"]["path"], barrel["timings_ms"]["ttft"])
+
+    def post(self, path: str, doc: dict, first_text: re.Pattern[bytes]) -> tuple[float, bytes]:
+        """(ms from sending to the first bytes `first_text` matches, the whole chunked body) of a streamed POST."""
+        body = json.dumps(doc).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         t0 = time.perf_counter()
         self.sock.sendall(head + body)
@@ -70,13 +76,11 @@ class RawHttp:
         while not buf.endswith(b"\r\n0\r\n\r\n"):
             data = self.sock.recv(65536)
             if not data:
-                raise SystemExit("bench.http: the daemon closed the connection")
+                raise SystemExit("bench: the daemon closed the connection")
             buf += data
-            if first is None and self.FIRST_TEXT.search(buf):
+            if first is None and first_text.search(buf):
                 first = time.perf_counter()
-        barrel = json.loads(self.CHUNK.findall(buf)[-1])["barrel"]
-        return Sample(((first or time.perf_counter()) - t0) * 1000, barrel["cache"]["path"],
-                      barrel["timings_ms"]["ttft"])
+        return ((first or time.perf_counter()) - t0) * 1000, buf
 
     def close(self) -> None:
         self.sock.close()
