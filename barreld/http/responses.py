@@ -53,6 +53,7 @@ class ResponsesRequest:
     history: tuple[Message, ...]  # the conversation without its instructions, stored for a continuation
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
     left_out: tuple[str, ...] = ()  # hosted tools not offered to the model
+    namespaces: Mapping[str, str] = field(default_factory=dict)  # a namespaced tool's name to its namespace
 
 
 def parse_responses(doc: Mapping[str, Any], previous: Stored | None) -> ResponsesRequest:
@@ -63,7 +64,7 @@ def parse_responses(doc: Mapping[str, Any], previous: Stored | None) -> Response
     if len(history) > MAX_MESSAGES:
         raise InvalidArgument(f"too many input items; at most {MAX_MESSAGES}")
     _check_outputs(history)
-    tools, left_out = _tools(body)
+    tools, left_out, namespaces = _tools(body)
     schema, json_object = _text_format(body)
     messages = ((Message("system", utf8(instructions, "instructions").decode()),) if instructions else ()) + history
     call = CallRequest(
@@ -84,7 +85,7 @@ def parse_responses(doc: Mapping[str, Any], previous: Stored | None) -> Response
     echo = {name: doc.get(name) for name in ("instructions", "max_output_tokens", "metadata", "temperature",
                                              "top_p", "tool_choice", "tools", "text", "user", "reasoning")}
     return ResponsesRequest(call, store is not False, body.get("previous_response_id", str, "a string"), history,
-                            echo, tuple(left_out))
+                            echo, tuple(left_out), namespaces)
 
 
 def _input(body: Body) -> tuple[Message, ...]:
@@ -160,10 +161,12 @@ def _check_outputs(history: tuple[Message, ...]) -> None:
                                   "function_call_output; send the call before its output")
 
 
-def _tools(body: Body) -> tuple[list[Tool], list[str]]:
-    """(the function tools, a namespace's among them under their own names; the hosted tools left out)."""
+def _tools(body: Body) -> tuple[list[Tool], list[str], dict[str, str]]:
+    """(the function tools, a namespace's among them under their own names; the hosted tools left out; each
+    namespaced tool's namespace, which its calls carry back as Codex reads them)."""
     tools: list[Tool] = []
     left_out: list[str] = []
+    namespaces: dict[str, str] = {}
     for i, t in enumerate(body.get("tools", list, "a list of tools") or []):
         kind = t.get("type") if isinstance(t, dict) else None
         if kind == "function":
@@ -172,12 +175,18 @@ def _tools(body: Body) -> tuple[list[Tool], list[str]]:
             inner = t.get("tools")
             if not isinstance(inner, list):
                 raise InvalidArgument(f"tools[{i}].tools must be a list of function tools")
-            tools += [function_tool(f, f"tools[{i}].tools[{j}]") for j, f in enumerate(inner)]
+            grouped = [function_tool(f, f"tools[{i}].tools[{j}]") for j, f in enumerate(inner)]
+            namespaces.update((tool.name, _string(t, "name", f"tools[{i}]")) for tool in grouped)
+            tools += grouped
         elif isinstance(kind, str):
             left_out.append(kind)
         else:
             raise InvalidArgument(f"tools[{i}] must be a tool object with a type")
-    return tools, left_out
+    names = [t.name for t in tools]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InvalidArgument(f"the tool name {twice[:64]!r} is offered twice; give each tool its own name")
+    return tools, left_out, namespaces
 
 
 def _tool_choice(body: Body) -> str:
@@ -344,6 +353,8 @@ class ResponseReply:
     def _call(self, call: ToolCall) -> list[bytes]:
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
                 "arguments": "", "status": "in_progress"}
+        if call.name in self.req.namespaces:
+            item["namespace"] = self.req.namespaces[call.name]
         index = len(self._items)
         self._items.append(item)
         out = [self._event("response.output_item.added", output_index=index, item={**item}),
