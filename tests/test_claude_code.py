@@ -11,33 +11,24 @@ serve one, with the README's plain dialogue template and its turn markers as the
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.sandbox import Sandbox
-from tests.support.sandbox_models import gemma_path
+from tests.support.coding_agents import agent_bin, fixed_home, gemma_daemon, requests
 from tests.test_http import Daemon
-from tests.unit.test_tool_formats import dialogue_template
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parent.parent
-CLAUDE = ROOT / ".cache" / "claude-code" / "node_modules" / ".bin" / "claude"
+CLAUDE = agent_bin("claude-code", "claude")
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    template = tmp_path_factory.mktemp("claude") / "dialogue.jinja"
-    template.write_text(dialogue_template())
-    model = (f'\n[[models]]\nname = "gemma"\npath = "{gemma_path()}"\nn_ctx = 32768\naliases = ["claude-*"]\n'
-             f'chat_template = "{template}"\nstop = ["\\n"]\n')
-    with Sandbox.new(model, label="claude") as box:
-        yield Daemon(box)
+    with gemma_daemon(tmp_path_factory.mktemp("claude"), "claude-*", "claude") as d:
+        yield d
 
 
 def claude(d: Daemon, home: Path) -> subprocess.CompletedProcess[str]:
@@ -49,23 +40,9 @@ def claude(d: Daemon, home: Path) -> subprocess.CompletedProcess[str]:
                           timeout=900)
 
 
-REQUEST = re.compile(r"barreld\.requests: http gemma: \w+, (\d+) of (\d+) prompt tokens restored.*?, ttft (\d+) ms, "
-                     r"total \d+ ms, (\w+)")
-
-
-def requests(d: Daemon, since: int) -> list[tuple[int, int, int, str]]:
-    """(restored, prompt tokens, ms to the first token, finish reason) of each request ended since log offset
-    `since`, from the daemon's one line per request."""
-    return [(int(r), int(p), int(t), f) for r, p, t, f in REQUEST.findall(d.box.log_text()[since:])]
-
-
 def test_two_claude_code_calls_in_a_row_the_second_warm(daemon: Daemon) -> None:
     assert CLAUDE.exists(), f"Claude Code is not installed at {CLAUDE}: tests/run installs it with npm"
-    # Claude Code writes its working directory into the prompt: the same one on every run, so the prompt, and
-    # the greedy reply a base model gives it, is the same from run to run (on a given day).
-    home = Path(f"/tmp/barrel-claude-code-{os.getuid()}")
-    shutil.rmtree(home, ignore_errors=True)
-    home.mkdir(mode=0o700)
+    home = fixed_home("claude-code")
     calls = []
     for _ in range(2):
         since = len(daemon.box.log_text())

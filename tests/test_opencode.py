@@ -1,0 +1,69 @@
+"""OpenCode itself (the npm package that tests/run installs, with @ai-sdk/openai-compatible beside it) against
+barreld's chat completions: two `opencode run` calls in a row on Gemma 3 270M with a 32k context, configured as
+the README's "Use it from OpenCode" says. OpenCode sends each run two requests, a short one for the session's
+title and the agent's own (its system prompt and ten tools). Both runs must exit 0; the second run's agent
+request must restore at least 90% of its prompt, as the daemon's log line for each request says. Nothing is
+fetched: models.dev, updates, LSP servers and plugins are off."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.coding_agents import ROOT, agent_bin, fixed_home, gemma_daemon, requests
+from tests.test_http import Daemon
+
+pytestmark = pytest.mark.model
+
+OPENCODE = agent_bin("opencode", "opencode")
+OFFLINE = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1",
+           "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with gemma_daemon(tmp_path_factory.mktemp("opencode"), "gemma-*", "opencode") as d:
+        yield d
+
+
+def config(base: str) -> dict:
+    """The README's opencode.json, pointed at this daemon."""
+    readme = (ROOT / "README.md").read_text()
+    doc = json.loads(re.search(r"cat > ~/.config/opencode/opencode.json <<'JSON'\n(.*?)JSON\n", readme, re.S).group(1))
+    doc["provider"]["barrel"]["options"]["baseURL"] = f"{base}/v1"
+    return doc
+
+
+def opencode(d: Daemon, home: Path) -> subprocess.CompletedProcess[str]:
+    where = home / ".config" / "opencode"
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "opencode.json").write_text(json.dumps(config(d.base)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "OPENCODE_"))}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local"),
+               XDG_CACHE_HOME=str(home / ".cache"), **OFFLINE)
+    return subprocess.run([str(OPENCODE), "run", "Say hello."], env=env, cwd=home, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_two_opencode_runs_in_a_row_the_second_warm(daemon: Daemon) -> None:
+    assert OPENCODE.exists(), f"OpenCode is not installed at {OPENCODE}: tests/run installs it with npm"
+    home = fixed_home("opencode")
+    runs = []
+    for _ in range(2):
+        since = len(daemon.box.log_text())
+        run = opencode(daemon, home)
+        assert run.returncode == 0, (run.returncode, run.stdout[-500:], run.stderr[-1500:])
+        runs.append(requests(daemon, since))
+    # the agent's request is each run's longest (the title request is a few hundred tokens)
+    first, second = (max(r, key=lambda x: x[1]) for r in runs)
+    assert first[1] > 5000 and first[0] == 0, runs  # OpenCode's head, cold
+    assert second[0] >= 0.9 * second[1], runs
+    print(f"opencode: run 1 {first[1]} tokens cold, TTFT {first[2] / 1000:.1f} s; run 2 restored {second[0]} of "
+          f"{second[1]}, TTFT {second[2] / 1000:.2f} s ({first[2] / max(second[2], 1):.0f}x); requests per run "
+          f"{len(runs[0])}, {len(runs[1])}")
