@@ -215,10 +215,18 @@ class ClusterSandbox:
             port = c.get_node_from_key(key).port
         return next(n for n in self.nodes if n.port == port)
 
-    def replica_of(self, primary: RedisServer) -> RedisServer:
+    def replica_of(self, primary: RedisServer, timeout: float = 30) -> RedisServer:
+        """`primary`'s replica, once the primary has heard of it: a cluster can say ok while the replicas'
+        gossip is still on its way (CLUSTER REPLICAS then lists none)."""
         pid = self.node_id(primary)
-        with primary.admin() as c:
-            lines = c.execute_command("CLUSTER", "REPLICAS", pid)
+        deadline = time.monotonic() + timeout
+        while True:
+            with primary.admin() as c:
+                lines = c.execute_command("CLUSTER", "REPLICAS", pid)
+            if lines or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert lines, f"the primary on port {primary.port} lists no replica after {timeout:.0f} s"
         line = lines[0].decode() if isinstance(lines[0], bytes) else lines[0]
         address = line.split()[1]  # id host:port@bus flags ...
         port = int(address.split("@")[0].rpartition(":")[2])
