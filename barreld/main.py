@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s barreld[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    from barreld.engine.openmp import set_wait_defaults
+
+    if added := set_wait_defaults(os.environ):
+        log.debug("llama.cpp's OpenMP threads wait with %s", ", ".join(f"{k}={v}" for k, v in added.items()))
     from barreld.config import ConfigError, default_config_path, load_config
 
     config_path = args.config or default_config_path()

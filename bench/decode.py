@@ -6,8 +6,9 @@ Writes (or replaces) the section "decode" of the results file. Progress goes to 
 
 Method. Three servers of the bundled SmolLM2, same llama.cpp (llama-server is bench.llama_server's build), every
 core each, loopback HTTP, `/v1/completions` streamed, greedy, `ignore_eos` so every reply is `--tokens` long:
-barreld as it is (GNU OpenMP's default wait: llama.cpp's threads spin a while, then sleep), barreld with
-`OMP_WAIT_POLICY=active` (they spin until there is work), and llama-server. One stream: each server in turn
+barreld as it is (its OpenMP defaults, barreld.engine.openmp: llama.cpp's threads spin about 0.1 ms at a
+barrier, then sleep), barreld with `OMP_WAIT_POLICY=passive` (they sleep at once), and llama-server (libgomp's
+own wait, with bench.harness's GOMP_SPINCOUNT). One stream: each server in turn
 answers one request, `--rounds` times, the order rotating; tokens/s is the reply's tokens over the time from its
 first token to its last. Four streams: servers with four sequences (`n_seq_max 4`; llama-server `-np 4`) answer
 four requests sent at once, tokens/s is all their tokens over the wall time from the first request to the last
@@ -33,7 +34,7 @@ from bench.llama_server import LlamaServer, build
 from bench.report import Table, put_section, ratio
 
 SECTION = "decode"
-SPINNING, SLEEPING = "barreld, OMP_WAIT_POLICY=active (spin)", "barreld (default: spin a while, then sleep)"
+PASSIVE, DEFAULT = "barreld, OMP_WAIT_POLICY=passive", "barreld (default: spin 0.1 ms, then sleep)"
 LLAMA = "llama-server"
 
 
@@ -89,25 +90,25 @@ def quiet(pids: list[int], timeout: float = 60.0) -> None:
 
 def measure(rounds: int, tokens: int) -> dict[str, Side]:
     binary = build()
-    spinning = {"OMP_WAIT_POLICY": "active"}
+    passive = {"OMP_WAIT_POLICY": "passive"}
     with tempfile.TemporaryDirectory(prefix="barrel-bench-decode-") as work, \
-            Daemon("decode", config=HTTP_CONFIG) as sleep1, \
-            Daemon("decode-omp", config=HTTP_CONFIG, env=spinning) as spin1, \
-            Daemon("decode-4", config=HTTP_CONFIG, n_seq_max=4) as sleep4, \
-            Daemon("decode-omp-4", config=HTTP_CONFIG, n_seq_max=4, env=spinning) as spin4:
+            Daemon("decode", config=HTTP_CONFIG) as default1, \
+            Daemon("decode-omp", config=HTTP_CONFIG, env=passive) as passive1, \
+            Daemon("decode-4", config=HTTP_CONFIG, n_seq_max=4) as default4, \
+            Daemon("decode-omp-4", config=HTTP_CONFIG, n_seq_max=4, env=passive) as passive4:
         ls1, ls4 = LlamaServer(Path(work) / "np1", binary), LlamaServer(Path(work) / "np4", binary, slots=4)
         for server in (ls1, ls4):
             server.workdir.mkdir()
             server.start()
         try:
-            ones = {SLEEPING: sleep1, SPINNING: spin1}
+            ones = {DEFAULT: default1, PASSIVE: passive1}
             sides = {name: Side(name, http_port(d), d.proc.pid) for name, d in ones.items()}
             sides[LLAMA] = Side(LLAMA, ls1.port)
-            fours = {SLEEPING: http_port(sleep4), SPINNING: http_port(spin4), LLAMA: ls4.port}
+            fours = {DEFAULT: http_port(default4), PASSIVE: http_port(passive4), LLAMA: ls4.port}
             for port in [s.port for s in sides.values()] + list(fours.values()):
                 rate_one(port, 8, 0)  # warm up
             order = list(sides)
-            pids = [d.proc.pid for d in (spin1, sleep1, spin4, sleep4)]
+            pids = [d.proc.pid for d in (default1, passive1, default4, passive4)]
             for r in range(rounds):
                 progress(f"round {r + 1}/{rounds}")
                 for name in order[r % 3:] + order[: r % 3]:
@@ -115,7 +116,7 @@ def measure(rounds: int, tokens: int) -> dict[str, Side]:
                     sides[name].one.append(rate_one(sides[name].port, tokens, r))
                     quiet(pids)
                     sides[name].four.append(rate_four(fours[name], tokens, r))
-            for name in (SLEEPING, SPINNING):
+            for name in (DEFAULT, PASSIVE):
                 time.sleep(2.0)
                 before = cpu_seconds(sides[name].pid)
                 time.sleep(3.0)
@@ -137,9 +138,10 @@ def table(sides: dict[str, Side], tokens: int) -> Table:
               ratio(median(s.four), median(ls.four)), idle)
     t.note = (f"Medians of {len(ls.one)} rounds. One stream: a reply's tokens over its first-to-last-token time. "
               "Four streams: four requests at once on four sequences (llama-server -np 4), all tokens over the wall "
-              "time. OpenMP's wait policy changes no float, only when its threads sleep; spinning is not barreld's "
-              "default, since several busy processes on few cores then starve each other (the test suite's "
-              "Redis module took minutes instead of seconds).")
+              "time. OpenMP's wait policy changes no float, only when its threads sleep. barreld's default spins "
+              "briefly: libgomp's own throttles to 100 spins once a process has two thread pools (the thread "
+              "that loaded the model keeps one), and every barrier of a decode then sleeps; unbounded spinning "
+              "(OMP_WAIT_POLICY=active alone) starves other busy processes on few cores.")
     return t
 
 

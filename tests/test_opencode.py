@@ -37,6 +37,7 @@ def config(base: str) -> dict:
     readme = (ROOT / "README.md").read_text()
     doc = json.loads(re.search(r"cat > ~/.config/opencode/opencode.json <<'JSON'\n(.*?)JSON\n", readme, re.S).group(1))
     doc["provider"]["barrel"]["options"]["baseURL"] = f"{base}/v1"
+    doc["provider"]["barrel"]["models"]["gemma"]["limit"]["output"] = 32  # the base model's replies are not read
     return doc
 
 
