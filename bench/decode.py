@@ -13,15 +13,20 @@ answers one request, `--rounds` times, the order rotating; tokens/s is the reply
 first token to its last. Four streams: servers with four sequences (`n_seq_max 4`; llama-server `-np 4`) answer
 four requests sent at once, tokens/s is all their tokens over the wall time from the first request to the last
 token. Before each measurement every barreld is let go quiet (it settles its replies while idle, which would
-slow whichever server came next). Then each barreld's CPU time over 3 s of idling. Medians over the rounds;
-ratios are Barrel's over llama-server's.
+slow whichever server came next). Then each barreld's CPU time over 3 s of idling. Then the floor, what the
+decode alone gives without any server (bench.decode_floor, a child process: barreld's backend in a loop, greedy
+by argmax), with flash attention off as barreld runs and on as llama-server resolves its `auto` here. A barreld
+row over its floor row is the part of a token that Python around the decode costs (the worker, sampling, the
+HTTP framing). Medians over the rounds; ratios are over llama-server's.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +41,8 @@ from bench.report import Table, put_section, ratio
 SECTION = "decode"
 PASSIVE, DEFAULT = "barreld, OMP_WAIT_POLICY=passive", "barreld (default: spin 0.1 ms, then sleep)"
 LLAMA = "llama-server"
+FLOORS = {"llama.cpp alone, barreld's backend in a loop (flash attention off: barreld's default)": [],
+          "llama.cpp alone, the same with flash attention on (as llama-server resolves auto)": ["--flash-attn"]}
 
 
 @dataclass
@@ -69,6 +76,14 @@ def rate_four(port: int, tokens: int, seed: int) -> float:
     with cf.ThreadPoolExecutor(4) as pool:
         spans = list(pool.map(lambda i: one_stream(port, tokens, seed * 10 + i), range(4)))
     return 4 * tokens / (max(s[2] for s in spans) - min(s[0] for s in spans))
+
+
+def floor(tokens: int, flags: list[str]) -> tuple[float, float]:
+    """(one stream, four streams) tokens/s of bench.decode_floor, in a child process of its own."""
+    out = subprocess.run([sys.executable, "-m", "bench.decode_floor", str(tokens), *flags], capture_output=True,
+                         text=True, timeout=600, check=True)
+    got = json.loads(out.stdout)
+    return got["one"], got["four"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -116,6 +131,13 @@ def measure(rounds: int, tokens: int) -> dict[str, Side]:
                     sides[name].one.append(rate_one(sides[name].port, tokens, r))
                     quiet(pids)
                     sides[name].four.append(rate_four(fours[name], tokens, r))
+            for r in range(rounds):
+                progress(f"llama.cpp alone, round {r + 1}/{rounds}")
+                for name, flags in FLOORS.items():
+                    quiet(pids)
+                    one, four = floor(tokens, flags)
+                    sides.setdefault(name, Side(name, 0)).one.append(one)
+                    sides[name].four.append(four)
             for name in (DEFAULT, PASSIVE):
                 time.sleep(2.0)
                 before = cpu_seconds(sides[name].pid)
@@ -133,7 +155,7 @@ def table(sides: dict[str, Side], tokens: int) -> Table:
               ["server", "one stream, tokens/s", "vs llama-server", "four streams, tokens/s in all", "vs llama-server",
                "CPU over 3 s idle"])
     for s in sides.values():
-        idle = "-" if s.name == LLAMA else f"{s.idle_cpu_s:.2f} s"
+        idle = "-" if s.pid is None else f"{s.idle_cpu_s:.2f} s"
         t.add(s.name, f"{median(s.one):.1f}", ratio(median(s.one), median(ls.one)), f"{median(s.four):.1f}",
               ratio(median(s.four), median(ls.four)), idle)
     t.note = (f"Medians of {len(ls.one)} rounds. One stream: a reply's tokens over its first-to-last-token time. "
