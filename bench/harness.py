@@ -317,3 +317,10 @@ def machine() -> dict[str, str]:
         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "unset"),
         "disk tier filesystem": _filesystem(tempfile.gettempdir()),
     }
+
+
+def begin() -> tuple[dict, float]:
+    """The machine (printed as progress) and the start time, for a bench's report of how long it took."""
+    m = machine()
+    progress(f"{m['cpu']} ({m['cores']} cores), load average {m['load']}")
+    return m, time.monotonic()

@@ -1,0 +1,149 @@
+"""Cold prefill of a long agent head against llama-server, side by side in one run, with each barreld setting the
+issue names as a suspect: what each costs per token before any default is changed.
+
+    python -m bench.prefill [--tokens 8000] [--results bench/RESULTS.md]
+
+Writes (or replaces) the section "prefill" of the results file. Progress goes to stderr.
+
+Method. The head is Codex CLI's first request as tests/data/codex-request.json holds it (its instructions, its
+tools as JSON, the user's turn), written out as plain text and cut to `--tokens` tokens of the model's own
+tokenizer (repeated first where it is shorter), so every server reads the same tokens. Each server gets it once
+as a raw prompt, one token to generate, nothing cached (each barreld is fresh; llama-server gets
+`cache_prompt: false`). Prefill tokens/s is the prompt's tokens over the server's own prefill time: barreld's
+timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention, a 32k
+context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full on for a sliding-window
+model, flash attention off, prefill chunks of 128 = n_batch / 4), then one knob changed at a time: swa_full
+off, flash attention on, prefill chunks of 512. llama-server: `-c N -b 512` and its defaults (flash attention
+`auto`, which is on here), every core. One measurement each, in one run: read the ratios, not the seconds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.harness import begin, model_path, progress
+from bench.llama_server import LlamaServer, build
+from bench.report import Table, bench_parser, ratio, show_and_put
+from tests.support.sandbox import Sandbox
+from tests.support.sandbox_models import gemma_path
+
+SECTION = "prefill"
+HEAD = Path(__file__).resolve().parents[1] / "tests" / "data" / "codex-request.json"
+VARIANTS = {"barreld defaults": "", "swa_full off": "swa_full = false\n", "flash attention on": "flash_attn = true\n",
+            "prefill chunks of 512": ""}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    path: Path
+    n_ctx: int
+    sliding: bool
+
+
+def head_text() -> str:
+    doc = json.loads(HEAD.read_text())
+    parts = [doc.get("instructions") or ""]
+    parts += [c["text"] for item in doc["input"] for c in item.get("content", []) if "text" in c]
+    parts.append(json.dumps(doc["tools"], indent=2))
+    return "\n\n".join(p for p in parts if p)
+
+
+def prompt_of(model: Model, tokens: int) -> tuple[str, int]:
+    """The head cut to `tokens` of this model's tokens, as text, and its length in tokens as llama.cpp reads it."""
+    from barreld.engine.backend import ContextSettings
+    from barreld.engine.llama_backend import LlamaBackend
+
+    backend = LlamaBackend(model.path, ContextSettings(n_ctx=256))
+    text = head_text()
+    ids = backend.tokenize(text.encode())
+    while len(ids) < tokens:
+        text += "\n\n" + head_text()
+        ids = backend.tokenize(text.encode())
+    cut = b"".join(backend.piece(t) for t in ids[1:tokens]).decode("utf-8", "ignore")  # ids[0] is BOS
+    n = len(backend.tokenize(cut.encode()))
+    backend.close()
+    return cut, n
+
+
+def barreld_rate(model: Model, knobs: str, policy: str, prompt: str) -> float:
+    config = (f'{policy}\n[[models]]\nname = "{model.name}"\npath = "{model.path}"\nn_ctx = {model.n_ctx}\n'
+              f"{knobs}")
+    with Sandbox.new(config, label="bench-prefill") as box:
+        box.start_daemon("--log-level", "warning", timeout=180)
+        client = box.client()
+        done = client.complete(prompt.encode(), model=model.name, max_tokens=1, timeout=900).result()
+        client.close()
+    assert done.restored == 0, done.route
+    return done.prefilled / (done.timings_ms["prefill"] / 1000)
+
+
+class GemmaServer(LlamaServer):
+    def __init__(self, workdir: Path, binary: Path, model: Model) -> None:
+        super().__init__(workdir, binary)
+        self.model = model
+
+    def command(self, port: int) -> list[str]:
+        cmd = super().command(port)
+        cmd[cmd.index("-m") + 1] = str(self.model.path)
+        cmd[cmd.index("-c") + 1] = str(self.model.n_ctx)
+        return cmd
+
+
+def llama_rate(server: LlamaServer, prompt: str) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=900)
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_prompt": False}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    timings = json.loads(conn.getresponse().read())["timings"]
+    conn.close()
+    return timings["prompt_n"] / (timings["prompt_ms"] / 1000)
+
+
+def measure(tokens: int) -> Table:
+    binary = build()
+    models = [Model("gemma", gemma_path(), 32768, True), Model("smollm2", model_path(), 8192, False)]
+    t = Table(f"Cold prefill of Codex CLI's head, about {tokens:,} tokens, tokens/s",
+              ["model", "server", "prompt tokens", "prefill tokens/s", "vs llama-server"])
+    for model in models:
+        prompt, n = prompt_of(model, tokens)
+        with tempfile.TemporaryDirectory(prefix="barrel-bench-prefill-") as work:
+            server = GemmaServer(Path(work), binary, model)
+            server.start()
+            try:
+                progress(f"{model.name}: llama-server, {n} tokens")
+                ls = llama_rate(server, prompt)
+            finally:
+                server.stop()
+        t.add(model.name, "llama-server", f"{n:,}", f"{ls:.0f}", "1.00x")
+        for variant, knobs in VARIANTS.items():
+            if variant == "swa_full off" and not model.sliding:
+                continue
+            policy = "[policy]\nprefill_chunk_size = 512\n" if variant == "prefill chunks of 512" else ""
+            progress(f"{model.name}: barreld, {variant}")
+            rate = barreld_rate(model, knobs, policy, prompt)
+            t.add(model.name, f"barreld, {variant}", f"{n:,}", f"{rate:.0f}", ratio(rate, ls))
+    t.note = ("One cold request each, one token generated; prefill time as each server reports it. barreld's "
+              "defaults are swa_full on (for Gemma), flash attention off, chunks of n_batch / 4 = 128; each "
+              "other row changes one of them. llama-server's flash attention `auto` is on here.")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = bench_parser("bench.prefill", __doc__, SECTION)
+    p.add_argument("--tokens", type=int, default=8000)
+    args = p.parse_args(argv)
+    m, t0 = begin()
+    tb = measure(args.tokens)
+    show_and_put(tb, args.results, SECTION, "Cold prefill of an agent head against llama-server", "bench.prefill", argv,
+                 t0, m["load"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
