@@ -8,6 +8,7 @@ immutable sandbox: a template comes from a file or a client, and must not reach 
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -179,6 +180,7 @@ class _Renderer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
         env.filters["tojson"] = tojson
         self._errors = jinja2.TemplateError
         try:
@@ -221,6 +223,12 @@ class _Renderer:
         except self._errors as exc:
             raise InvalidArgument(f"the chat template failed: {exc}") from None
         return text.encode("utf-8", "replace")
+
+
+def strftime_now(fmt: str) -> str:
+    """Today's date or time as a template asks for it (gpt-oss, Llama 3.x and others write the date into the system
+    turn), as Hugging Face and llama.cpp's server give it: so such a prompt, and its cache key, change daily."""
+    return datetime.datetime.now().strftime(fmt)
 
 
 def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,

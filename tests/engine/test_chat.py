@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def test_a_template_that_renders_a_turn_by_what_follows_it_gives_only_the_ends_i
     refusing = "{% if messages[-1].role != 'user' %}{{ raise_exception('last must be user') }}{% endif %}" + template
     out, ends = render_with_ends(refusing, CONVERSATION, bos="", eos="", model="m")
     assert out.endswith(b"[And sunsets?]>") and ends == (len(out) - 1,)  # cut after a user turn only
+
+
+def test_a_template_may_ask_for_the_date_as_hugging_face_templates_do() -> None:
+    """gpt-oss's template (and Llama 3.x's) write strftime_now(...) into the system turn; without it they failed."""
+    before = datetime.date.today().isoformat()
+    out = render("Today: {{ strftime_now('%Y-%m-%d') }}{{ messages[0].content }}", CONVERSATION[:1], bos="", eos="",
+                 model="m").decode()
+    assert out in {f"Today: {day}Be brief." for day in (before, datetime.date.today().isoformat())}
 
 
 def test_a_long_conversation_looks_for_its_first_and_last_ends_only(monkeypatch: pytest.MonkeyPatch) -> None:
