@@ -163,7 +163,7 @@ def _check_outputs(history: tuple[Message, ...]) -> None:
 
 def _tools(body: Body) -> tuple[list[Tool], list[str], dict[str, str]]:
     """(the function tools, a namespace's among them under their own names; the hosted tools left out; each
-    namespaced tool's namespace, which its calls carry back as Codex reads them)."""
+    namespaced tool's namespace, which its calls carry back: Codex's function-call items have the field)."""
     tools: list[Tool] = []
     left_out: list[str] = []
     namespaces: dict[str, str] = {}
@@ -175,17 +175,14 @@ def _tools(body: Body) -> tuple[list[Tool], list[str], dict[str, str]]:
             inner = t.get("tools")
             if not isinstance(inner, list):
                 raise InvalidArgument(f"tools[{i}].tools must be a list of function tools")
+            space = _string(t, "name", f"tools[{i}]")
             grouped = [function_tool(f, f"tools[{i}].tools[{j}]") for j, f in enumerate(inner)]
-            namespaces.update((tool.name, _string(t, "name", f"tools[{i}]")) for tool in grouped)
+            namespaces |= {tool.name: space for tool in grouped}
             tools += grouped
         elif isinstance(kind, str):
             left_out.append(kind)
         else:
             raise InvalidArgument(f"tools[{i}] must be a tool object with a type")
-    names = [t.name for t in tools]
-    if len(set(names)) < len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise InvalidArgument(f"the tool name {twice[:64]!r} is offered twice; give each tool its own name")
     return tools, left_out, namespaces
 
 
