@@ -7,15 +7,13 @@ as the daemon's log line for each request says."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.coding_agents import ROOT, agent_bin, fixed_home, gemma_daemon, requests
+from tests.support.coding_agents import ROOT, agent_bin, agent_daemon, agent_run, fixed_home, run_twice, speedup
 from tests.test_http import Daemon
 
 pytestmark = pytest.mark.model
@@ -23,10 +21,7 @@ pytestmark = pytest.mark.model
 CODEX = agent_bin("codex", "codex")
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with gemma_daemon(tmp_path_factory.mktemp("codex"), "gpt-*", "codex") as d:
-        yield d
+daemon = agent_daemon("gpt-*", "codex")
 
 
 def provider_block(base: str) -> str:
@@ -39,25 +34,16 @@ def provider_block(base: str) -> str:
 def codex(d: Daemon, home: Path) -> subprocess.CompletedProcess[str]:
     (home / ".codex").mkdir(exist_ok=True)
     (home / ".codex" / "config.toml").write_text(provider_block(d.base))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
-    env.update(HOME=str(home), CODEX_HOME=str(home / ".codex"))
-    return subprocess.run([str(CODEX), "exec", "--skip-git-repo-check", "Say hello."], env=env, cwd=home,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+    return agent_run(CODEX, ["exec", "--skip-git-repo-check", "Say hello."], home, ("OPENAI_", "CODEX_"),
+                     CODEX_HOME=str(home / ".codex"))
 
 
 def test_two_codex_runs_in_a_row_the_second_warm(daemon: Daemon) -> None:
     assert CODEX.exists(), f"Codex CLI is not installed at {CODEX}: tests/run installs it with npm"
     home = fixed_home("codex")
-    calls = []
-    for _ in range(2):
-        since = len(daemon.box.log_text())
-        run = codex(daemon, home)
-        assert run.returncode == 0 and run.stdout.strip(), (run.returncode, run.stdout[-500:], run.stderr[-1500:])
-        calls.append(requests(daemon, since))
-    first, second = calls[0][0], calls[1][0]  # each run's first Responses request
-    assert first[1] > 8000 and first[0] == 0, calls  # Codex's head, cold
-    assert second[0] >= 0.9 * second[1], calls
-    assert second[2] <= first[2] / 10, calls
-    print(f"codex: run 1 {first[1]} tokens cold, TTFT {first[2] / 1000:.1f} s; run 2 restored {second[0]} of "
-          f"{second[1]}, TTFT {second[2] / 1000:.2f} s ({first[2] / max(second[2], 1):.0f}x); requests per run "
-          f"{len(calls[0])}, {len(calls[1])}; replies ended by {[r[3] for c in calls for r in c]}")
+    runs = run_twice(daemon, lambda: codex(daemon, home))
+    first, second = runs[0][0], runs[1][0]  # each run's first Responses request
+    assert first[1] > 8000 and first[0] == 0, runs  # Codex's head, cold
+    assert second[0] >= 0.9 * second[1], runs
+    assert second[2] <= first[2] / 10, runs
+    print(speedup("codex", runs, first, second))

@@ -8,15 +8,13 @@ fetched: models.dev, updates, LSP servers and plugins are off."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.coding_agents import ROOT, agent_bin, fixed_home, gemma_daemon, requests
+from tests.support.coding_agents import ROOT, agent_bin, agent_daemon, agent_run, fixed_home, run_twice, speedup
 from tests.test_http import Daemon
 
 pytestmark = pytest.mark.model
@@ -26,10 +24,7 @@ OFFLINE = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": 
            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with gemma_daemon(tmp_path_factory.mktemp("opencode"), "gemma-*", "opencode") as d:
-        yield d
+daemon = agent_daemon("gemma-*", "opencode")
 
 
 def config(base: str) -> dict:
@@ -45,26 +40,17 @@ def opencode(d: Daemon, home: Path) -> subprocess.CompletedProcess[str]:
     where = home / ".config" / "opencode"
     where.mkdir(parents=True, exist_ok=True)
     (where / "opencode.json").write_text(json.dumps(config(d.base)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "OPENCODE_"))}
-    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local"),
-               XDG_CACHE_HOME=str(home / ".cache"), **OFFLINE)
-    return subprocess.run([str(OPENCODE), "run", "Say hello."], env=env, cwd=home, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=900)
+    return agent_run(OPENCODE, ["run", "Say hello."], home, ("OPENAI_", "OPENCODE_"),
+                     XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local"),
+                     XDG_CACHE_HOME=str(home / ".cache"), **OFFLINE)
 
 
 def test_two_opencode_runs_in_a_row_the_second_warm(daemon: Daemon) -> None:
     assert OPENCODE.exists(), f"OpenCode is not installed at {OPENCODE}: tests/run installs it with npm"
     home = fixed_home("opencode")
-    runs = []
-    for _ in range(2):
-        since = len(daemon.box.log_text())
-        run = opencode(daemon, home)
-        assert run.returncode == 0, (run.returncode, run.stdout[-500:], run.stderr[-1500:])
-        runs.append(requests(daemon, since))
+    runs = run_twice(daemon, lambda: opencode(daemon, home), text=False)
     # the agent's request is each run's longest (the title request is a few hundred tokens)
     first, second = (max(r, key=lambda x: x[1]) for r in runs)
     assert first[1] > 5000 and first[0] == 0, runs  # OpenCode's head, cold
     assert second[0] >= 0.9 * second[1], runs
-    print(f"opencode: run 1 {first[1]} tokens cold, TTFT {first[2] / 1000:.1f} s; run 2 restored {second[0]} of "
-          f"{second[1]}, TTFT {second[2] / 1000:.2f} s ({first[2] / max(second[2], 1):.0f}x); requests per run "
-          f"{len(runs[0])}, {len(runs[1])}")
+    print(speedup("opencode", runs, first, second))

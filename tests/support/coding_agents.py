@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.support.sandbox import Sandbox
 from tests.support.sandbox_models import gemma_path
@@ -26,14 +28,50 @@ def agent_bin(folder: str, name: str) -> Path:
     return ROOT / ".cache" / folder / "node_modules" / ".bin" / name
 
 
-@contextmanager
-def gemma_daemon(where: Path, alias: str, label: str) -> Iterator[Daemon]:
-    template = where / "dialogue.jinja"
-    template.write_text(dialogue_template())
-    model = (f'\n[[models]]\nname = "gemma"\npath = "{gemma_path()}"\nn_ctx = 32768\naliases = ["{alias}"]\n'
-             f'chat_template = "{template}"\nstop = ["\\n"]\n')
-    with Sandbox.new(model, label=label) as box:
-        yield Daemon(box)
+def agent_daemon(alias: str, label: str) -> Callable[..., Iterator[Daemon]]:
+    """A test module's `daemon` fixture (assign it to that name): barreld serving Gemma 3 270M as above, `alias`
+    the agent's model names."""
+
+    @pytest.fixture(scope="module")
+    def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+        template = tmp_path_factory.mktemp(label) / "dialogue.jinja"
+        template.write_text(dialogue_template())
+        model = (f'\n[[models]]\nname = "gemma"\npath = "{gemma_path()}"\nn_ctx = 32768\naliases = ["{alias}"]\n'
+                 f'chat_template = "{template}"\nstop = ["\\n"]\n')
+        with Sandbox.new(model, label=label) as box:
+            yield Daemon(box)
+
+    return daemon
+
+
+def agent_run(binary: Path, args: list[str], home: Path, drop: tuple[str, ...], **env: str
+              ) -> subprocess.CompletedProcess[str]:
+    """The agent started in `home` as a user would start it there: the caller's environment less the variables
+    that begin with one of `drop`, plus HOME and `env`; nothing on stdin."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(drop)} | {"HOME": str(home), **env}
+    return subprocess.run([str(binary), *args], env=full, cwd=home, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=900)
+
+
+def run_twice(d: Daemon, run: Callable[[], subprocess.CompletedProcess[str]], text: bool = True
+              ) -> list[list[tuple[int, int, int, str]]]:
+    """The agent run twice in a row, each run exiting 0 (with an answer on stdout when `text`): the daemon's
+    requests of each run, as `requests` reads them."""
+    runs = []
+    for _ in range(2):
+        since = len(d.box.log_text())
+        done = run()
+        assert done.returncode == 0 and (done.stdout.strip() or not text), (
+            done.returncode, done.stdout[-500:], done.stderr[-1500:])
+        runs.append(requests(d, since))
+    return runs
+
+
+def speedup(name: str, runs: list[list[tuple[int, int, int, str]]], first: tuple, second: tuple) -> str:
+    """The line a test prints: each run's measured request, how much the second restored, both TTFTs."""
+    return (f"{name}: run 1 {first[1]} tokens cold, TTFT {first[2] / 1000:.1f} s; run 2 restored {second[0]} of "
+            f"{second[1]}, TTFT {second[2] / 1000:.2f} s ({first[2] / max(second[2], 1):.0f}x); requests per run "
+            f"{len(runs[0])}, {len(runs[1])}; replies ended by {[r[3] for run in runs for r in run]}")
 
 
 def requests(d: Daemon, since: int) -> list[tuple[int, int, int, str]]:
