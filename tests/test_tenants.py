@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.redis_sandbox import RedisServer
 from tests.support.sandbox import Sandbox
-from tests.test_cache_paths import POLICY, doc
+from tests.test_cache_paths import CHUNK, POLICY, doc
 
 pytestmark = pytest.mark.model
 
@@ -199,6 +199,23 @@ def test_the_sdks_see_the_same_isolation(host: Host) -> None:
     reply = claude("sk-bob-1").messages.create(model="smollm2", max_tokens=4, system=other,
                                                messages=[{"role": "user", "content": "Hi"}])
     assert reply.usage.cache_read_input_tokens == 0
+
+
+def test_stored_responses_belong_to_their_tenant(host: Host) -> None:
+    """Responses API through the real SDK: Bob can neither read, continue nor delete Alice's stored response, and
+    the same request restores nothing of hers; Alice's continuation is warm."""
+    alice, bob = host.openai("sk-alice-1"), host.openai("sk-bob-1")
+    ask = {"model": "smollm2", "instructions": ALICE_SYSTEM, "input": "Who are you?", "max_output_tokens": 8,
+           "temperature": 0}
+    first = alice.responses.create(**ask)
+    for steal in (lambda: bob.responses.retrieve(first.id), lambda: bob.responses.delete(first.id),
+                  lambda: bob.responses.create(**{**ask, "input": "And?", "previous_response_id": first.id})):
+        with pytest.raises(openai.NotFoundError):
+            steal()
+    theirs = bob.responses.create(**ask)  # the very same request: none of Alice's state reaches it
+    assert theirs.usage.input_tokens_details.cached_tokens == 0 and theirs.id != first.id
+    more = alice.responses.create(**{**ask, "input": "And?", "previous_response_id": first.id})
+    assert more.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - CHUNK, more.usage
 
 
 def test_metrics_count_per_tenant_need_a_key_and_hold_no_prompt_bytes(host: Host) -> None:
