@@ -6,18 +6,18 @@ Writes (or replaces) the section "decode" of the results file. Progress goes to 
 
 Method. Three servers of the bundled SmolLM2, same llama.cpp (llama-server is bench.llama_server's build), every
 core each, loopback HTTP, `/v1/completions` streamed, greedy, `ignore_eos` so every reply is `--tokens` long:
-barreld as it is (its OpenMP defaults, barreld.engine.openmp: llama.cpp's threads spin about 0.1 ms at a
-barrier, then sleep), barreld with `OMP_WAIT_POLICY=passive` (they sleep at once), and llama-server (libgomp's
-own wait, with bench.harness's GOMP_SPINCOUNT). One stream: each server in turn
-answers one request, `--rounds` times, the order rotating; tokens/s is the reply's tokens over the time from its
-first token to its last. Four streams: servers with four sequences (`n_seq_max 4`; llama-server `-np 4`) answer
-four requests sent at once, tokens/s is all their tokens over the wall time from the first request to the last
-token. Before each measurement every barreld is let go quiet (it settles its replies while idle, which would
-slow whichever server came next). Then each barreld's CPU time over 3 s of idling. Then the floor, what the
-decode alone gives without any server (bench.decode_floor, a child process: barreld's backend in a loop, greedy
-by argmax), with flash attention off as barreld runs and on as llama-server resolves its `auto` here. A barreld
-row over its floor row is the part of a token that Python around the decode costs (the worker, sampling, the
-HTTP framing). Medians over the rounds; ratios are over llama-server's.
+barreld as it is (its OpenMP defaults, barreld.engine.openmp: llama.cpp's threads spin about 0.1 ms at a barrier,
+then sleep), barreld with `OMP_WAIT_POLICY=passive` set as an operator would (its threads then wait as libgomp
+throttles them, sleeping at nearly every barrier), and llama-server (libgomp's own wait, with bench.harness's
+GOMP_SPINCOUNT). One stream: each server in turn answers one request, `--rounds` times, the order rotating; tokens/s
+is the reply's tokens over the time from its first token to its last. Four streams: servers with four sequences
+(`n_seq_max 4`; llama-server `-np 4`) answer four requests sent at once, tokens/s is all their tokens over the wall
+time from the first request to the last token. Before each measurement every barreld is let go quiet (it settles its
+replies while idle, which would slow whichever server came next). Then each barreld's CPU time over 3 s of idling.
+Then the floor, what the decode alone gives without any server (bench.decode_floor, a child process: barreld's
+backend in a loop, greedy by argmax), with flash attention off as barreld runs and on as llama-server resolves its
+`auto` here. A barreld row over its floor row is the part of a token that Python around the decode costs (the
+worker, sampling, the HTTP framing). Medians over the rounds; ratios are over llama-server's.
 """
 
 from __future__ import annotations
