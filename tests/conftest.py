@@ -11,6 +11,22 @@ from tests.support.redis_sandbox import RedisServer
 from tests.support.sandbox import Sandbox
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What a test starts outside a sandbox gets private XDG directories, socket and ram_file root too: no test
+    may touch the default socket or /dev/shm/barrel-$UID, which the daemon of README's first command may hold
+    while the tests run."""
+    base = tmp_path_factory.mktemp("defaults")
+    config = base / "config" / "barrel" / "barreld.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(f'[tiers.ram_file]\nroot = "{base / "shm"}"\n')
+    with pytest.MonkeyPatch.context() as mp:
+        for name, leaf in (("XDG_RUNTIME_DIR", "run"), ("XDG_DATA_HOME", "data"), ("XDG_CONFIG_HOME", "config")):
+            mp.setenv(name, str(base / leaf))
+        mp.setenv("BARREL_SOCKET", str(base / "run" / "barrel" / "barreld.sock"))
+        yield
+
+
 @pytest.fixture
 def world() -> Iterator[Sandbox]:
     with Sandbox.new() as w:
