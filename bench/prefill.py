@@ -1,19 +1,22 @@
 """Cold prefill of a long agent head against llama-server, side by side in one run, with each barreld setting the
 issue names as a suspect: what each costs per token before any default is changed.
 
-    python -m bench.prefill [--tokens 8000] [--results bench/RESULTS.md]
+    python -m bench.prefill [--tokens 12000] [--results bench/RESULTS.md]
 
 Writes (or replaces) the section "prefill" of the results file. Progress goes to stderr.
 
 Method. The head is Codex CLI's first request as tests/data/codex-request.json holds it (its instructions, its
 tools as JSON, the user's turn), written out as plain text and cut to `--tokens` tokens of the model's own
-tokenizer (repeated first where it is shorter), so every server reads the same tokens. Each server gets it once
+tokenizer (repeated first where it is shorter; SmolLM2, whose context is 8k, at most 8,000), so every server reads
+the same tokens. Each server gets it once
 as a raw prompt, one token to generate, nothing cached (each barreld is fresh; llama-server gets
 `cache_prompt: false`). Prefill tokens/s is the prompt's tokens over the server's own prefill time: barreld's
 timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention, a 32k
 context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full on for a sliding-window
-model, flash attention off, prefill chunks of 128 = n_batch / 4), then one knob changed at a time: swa_full
-off, flash attention on, prefill chunks of 512. llama-server: `-c N -b 512` and its defaults (flash attention
+model, flash attention on, prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a
+llama.cpp call as n_batch holds where the load-time probe proves that exact), then one knob changed at a time:
+swa_full off, flash attention off, one chunk a call (`reuse_grain = 128`: no probe, so nothing proven),
+prefill chunks of 512. llama-server: `-c N -b 512` and its defaults (flash attention
 `auto`, which is on here), every core. One measurement each, in one run: read the ratios, not the seconds.
 """
 
@@ -34,8 +37,14 @@ from tests.support.sandbox_models import gemma_path
 
 SECTION = "prefill"
 HEAD = Path(__file__).resolve().parents[1] / "tests" / "data" / "codex-request.json"
-VARIANTS = {"barreld defaults": "", "swa_full off": "swa_full = false\n", "flash attention on": "flash_attn = true\n",
-            "prefill chunks of 512": ""}
+VARIANTS = {  # name: (model knobs, policy knobs)
+    "barreld defaults": ("", ""),
+    "swa_full off": ("swa_full = false\n", ""),
+    "flash attention off": ("flash_attn = false\n", ""),
+    "one chunk a call": ("", "reuse_grain = 128\n"),
+    "prefill chunks of 512": ("", "prefill_chunk_size = 512\n"),
+}
+SMOLLM2_TOKENS = 8000  # its context is 8k
 
 
 @dataclass(frozen=True)
@@ -107,10 +116,10 @@ def llama_rate(server: LlamaServer, prompt: str) -> float:
 def measure(tokens: int) -> Table:
     binary = build()
     models = [Model("gemma", gemma_path(), 32768, True), Model("smollm2", model_path(), 8192, False)]
-    t = Table(f"Cold prefill of Codex CLI's head, about {tokens:,} tokens, tokens/s",
+    t = Table(f"Cold prefill of Codex CLI's head, about {tokens:,} tokens (SmolLM2: {SMOLLM2_TOKENS:,}), tokens/s",
               ["model", "server", "prompt tokens", "prefill tokens/s", "vs llama-server"])
     for model in models:
-        prompt, n = prompt_of(model, tokens)
+        prompt, n = prompt_of(model, tokens if model.sliding else min(tokens, SMOLLM2_TOKENS))
         with tempfile.TemporaryDirectory(prefix="barrel-bench-prefill-") as work:
             server = GemmaServer(Path(work), binary, model)
             server.start()
@@ -120,15 +129,15 @@ def measure(tokens: int) -> Table:
             finally:
                 server.stop()
         t.add(model.name, "llama-server", f"{n:,}", f"{ls:.0f}", "1.00x")
-        for variant, knobs in VARIANTS.items():
+        for variant, (knobs, policy) in VARIANTS.items():
             if variant == "swa_full off" and not model.sliding:
                 continue
-            policy = "[policy]\nprefill_chunk_size = 512\n" if variant == "prefill chunks of 512" else ""
             progress(f"{model.name}: barreld, {variant}")
-            rate = barreld_rate(model, knobs, policy, prompt)
+            rate = barreld_rate(model, knobs, f"[policy]\n{policy}" if policy else "", prompt)
             t.add(model.name, f"barreld, {variant}", f"{n:,}", f"{rate:.0f}", ratio(rate, ls))
     t.note = ("One cold request each, one token generated; prefill time as each server reports it. barreld's "
-              "defaults are swa_full on (for Gemma), flash attention off, chunks of n_batch / 4 = 128; each "
+              "defaults are swa_full on (for Gemma), flash attention on, chunks of n_batch / 4 = 128 and, for a "
+              "prefill alone, as many chunks a call as n_batch (512) holds where the probe proves it exact; each "
               "other row changes one of them. llama-server's flash attention `auto` is on here.")
     return t
 
@@ -136,7 +145,7 @@ def measure(tokens: int) -> Table:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = bench_parser("bench.prefill", __doc__, SECTION)
-    p.add_argument("--tokens", type=int, default=8000)
+    p.add_argument("--tokens", type=int, default=12000)
     args = p.parse_args(argv)
     m, t0 = begin()
     tb = measure(args.tokens)

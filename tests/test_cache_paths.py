@@ -107,8 +107,9 @@ def grains(w: Sandbox) -> dict[str, int]:
 
 
 def full_rule(w: Sandbox) -> Memory:
-    """The bundled model's reuse rule, at the grain its daemon measured."""
-    return Memory(MemoryKind.FULL, chunk=CHUNK, grain=grains(w)["smollm2"])
+    """The bundled model's reuse rule, at the grain and fewest batch its daemon measured."""
+    rule = next(m["exact_reuse"] for m in w.ctl("--json", "models").json()["models"] if m["name"] == "smollm2")
+    return Memory(MemoryKind.FULL, chunk=CHUNK, grain=rule["grain"], min_batch=rule["min_batch"])
 
 
 def counters(w: Sandbox) -> dict:

@@ -57,7 +57,8 @@ class Served:
         self.store = CacheStore(root / "data", {"ram": TierConfig(64 << 20), "ram_file": TierConfig(
             64 << 20, root / "ram_file"), "disk": TierConfig(64 << 20, root / "disk")}).open()
         self.registry = ModelRegistry(self.store, POLICY, max_queue=1, backend_factory=SteppedBackend)
-        self.registry.load("m", LoadOptions(path=write_gguf(root / "fake.gguf"), n_ctx=N_CTX, n_batch=64))
+        self.registry.load("m", LoadOptions(path=write_gguf(root / "fake.gguf"), n_ctx=N_CTX,
+                                                        n_batch=64, flash_attn=False))
         self.metrics = Metrics(self.store, self.registry.models)
         self.ready = threading.Event()
         self.ready.set()

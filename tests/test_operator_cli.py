@@ -302,8 +302,8 @@ def test_gc_evicts_every_unreferenced_row(ops: Sandbox) -> None:
         (("load", "m", "--n-threads", "0"), "--n-threads 0"),
         (("load", "m", "--n-gpu-layers", "-2"), "--n-gpu-layers -2"),
         (("load", "m", "--type-k", "q3_k"), "--type-k 'q3_k'"),
-        (("load", "m", "--type-v", "q4_0"), "--type-v 'q4_0': a quantised V cache needs --flash-attn"),
-        (("load", "m", "--type-v", "q4_0", "--no-flash-attn"), "--type-v 'q4_0'"),
+        (("load", "m", "--type-v", "q4_0", "--no-flash-attn"),
+         "--type-v 'q4_0': a quantised V cache needs --flash-attn"),
     ],
 )
 def test_bad_size_or_tier_exits_2_naming_the_value(world: Sandbox, args, needle) -> None:
@@ -353,7 +353,8 @@ BAD_CONFIGS = [
     ("zero-threads", '[[models]]\nname = "smollm2"\nn_threads = 0\n', "models[0].n_threads", ">= 1"),
     ("gpu-layers", '[[models]]\nname = "smollm2"\nn_gpu_layers = -2\n', "models[0].n_gpu_layers", ">= -1"),
     ("cache-type", '[[models]]\nname = "smollm2"\ntype_k = "fp8"\n', "models[0].type_k", "unknown cache type"),
-    ("quantised-v", '[[models]]\nname = "smollm2"\ntype_v = "q4_0"\n', "models[0].type_v", "flash_attn = true"),
+    ("quantised-v", '[[models]]\nname = "smollm2"\nflash_attn = false\ntype_v = "q4_0"\n', "models[0].type_v",
+     "flash_attn = true"),
 ]
 
 

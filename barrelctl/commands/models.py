@@ -20,7 +20,7 @@ NGpuLayers = Annotated[
 FlashAttn = Annotated[
     bool | None,
     typer.Option(
-        "--flash-attn/--no-flash-attn", help="Flash attention (default: off). Needed for a quantised V cache."
+        "--flash-attn/--no-flash-attn", help="Flash attention (default: on). Needed for a quantised V cache."
     ),
 ]
 TypeK = Annotated[str | None, typer.Option("--type-k", help=f"K cache type: {', '.join(KV_CACHE_TYPES)}.")]
@@ -87,7 +87,8 @@ def model_json(m) -> dict:
         "aliases": list(m.aliases),
         "stop": list(m.stop),
         "tool_format": m.tool_format,
-        "exact_reuse": {"grain": m.exact_reuse.grain, "generated": m.exact_reuse.generated,
+        "exact_reuse": {"grain": m.exact_reuse.grain, "min_batch": m.exact_reuse.min_batch,
+                        "generated": m.exact_reuse.generated, "merged": m.exact_reuse.merged,
                         "source": m.exact_reuse.source, "probe_ms": m.exact_reuse.probe_ms,
                         "rule": m.exact_reuse.rule},
     }
@@ -111,7 +112,7 @@ def _check_knobs(
     for flag, value in (("--type-k", type_k), ("--type-v", type_v)):
         if value is not None and value not in KV_CACHE_TYPES:
             raise CliError(f"bad {flag} {value!r}: use one of {', '.join(KV_CACHE_TYPES)}", EXIT_USAGE)
-    if type_v is not None and type_v not in PLAIN_KV_TYPES and not flash_attn:
+    if type_v is not None and type_v not in PLAIN_KV_TYPES and flash_attn is False:
         raise CliError(f"bad --type-v {type_v!r}: a quantised V cache needs --flash-attn", EXIT_USAGE)
 
 

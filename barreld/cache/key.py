@@ -223,6 +223,8 @@ class CtxParams:
     reuse_grain: the reuse grain measured at load when finer than the chunk (0: the chunk rule). A state
       whose tokens were prefilled from a point off the chunk boundaries is exact only where that grain
       holds, so daemons that measured another grain do not share it.
+    reuse_min_batch: the fewest tokens of a batch off a chunk boundary measured with that grain (2: a token
+      alone is the only batch whose kernels differ), for the same reason.
 
     Deliberately NOT included, because they change how work is scheduled or how much fits, not the
     bytes of a prompt's state: n_ctx, n_batch, n_ubatch, n_threads, and the sampling seed. (A state too
@@ -240,14 +242,17 @@ class CtxParams:
     prefill_chunk: int = 0
     gpu_layers: int = 0
     reuse_grain: int = 0
+    reuse_min_batch: int = 2
 
     def encode(self) -> bytes:
         """40 bytes, little-endian: u8 layout version (3), u32 kv_streams, u32 type_k, u32 type_v,
         u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale,
-        u32 prefill_chunk, u32 gpu_layers; then a u32 reuse_grain only when it is set, so the states made
-        under the chunk rule keep their keys."""
+        u32 prefill_chunk, u32 gpu_layers; then a u32 reuse_grain only when it is set, and after it a u32
+        reuse_min_batch only when it is over 2, so the states made under the older rules keep their keys."""
         try:
             grain = struct.pack("<I", self.reuse_grain) if self.reuse_grain else b""
+            if self.reuse_grain and self.reuse_min_batch > 2:
+                grain += struct.pack("<I", self.reuse_min_batch)
             return _CTX_STRUCT.pack(
                 _CTX_LAYOUT_VERSION,
                 self.kv_streams,

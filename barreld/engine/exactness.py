@@ -2,22 +2,27 @@
 
 llama.cpp's kernels may compute a token's KV and logits differently by where its batch splits: measured on
 these machines, SmolLM2 Q4_1 gives the same floats for any batches of two or more tokens; Gemma 3 Q4_K_M only
-when batches start on multiples of 4 (its quantised kernels take rows in groups of 4), and a batch of a few
-tokens (under 8) gives other floats than a larger one; with flash attention, so does a batch under 64 tokens
-(its CPU kernel takes another path there); and a token decoded alone takes another path everywhere. So the
-probe does what a warm start does, on the real context with the model's own K/V types and flash attention
-setting: a previous prompt ends inside a chunk, the next one keeps its first k tokens (k a multiple of the
-grain G tried) and prefills the rest from k, once with k inside a chunk that the prompt fills and once with k
-a few tokens short of the prompt's end. Its state bytes and last logits must equal a cold prefill's, split at
-the canonical chunk boundaries. The finest G that passes is the verdict; none passing leaves the chunk rule.
-Then, at that grain, sixteen tokens decoded one at a time stand in for a reply: equal again, generated tokens
-are reusable too (with a quantised K/V cache, small float differences can round to the same bytes, so one
-token would prove little).
+when batches start and end on multiples of 4 (its quantised kernels take rows in groups of 4), and a batch of
+under 8 tokens gives other floats than a larger one; with flash attention, so does a batch under 64 tokens
+(its CPU kernel takes its tiled path from 64 query rows, and each row's floats are its own there); and a
+token decoded alone takes another path everywhere. So the probe does what a warm start does, on the real
+context with the model's own K/V types and flash attention setting, for a grain G and a fewest batch B
+(Memory.min_batch) at a time: a previous prompt ends inside a chunk, the next one keeps its first k tokens
+(k a multiple of G, odd where it can be, chosen by the rules a warm start follows: at least B tokens to the
+next chunk boundary, and for a memory that cannot be cut, a previous prompt whose last chunk held B) and
+prefills the rest from k, once with k inside a chunk that the prompt fills and once with k in the prompt's
+last chunk, the fewest tokens short of its end that B allows. Its state bytes and last logits must equal a
+cold prefill's, split at the canonical chunk boundaries. The pair that loses least reuse and passes is the
+verdict; none passing leaves the chunk rule. Then, at that pair, sixteen tokens decoded one at a time stand
+in for a reply: equal again, generated tokens are reusable too (with a quantised K/V cache, small float
+differences can round to the same bytes, so one token would prove little). Last, a cold prefill and those
+warm starts again in calls of up to n_batch tokens that end on chunk boundaries, as a prefill with the
+context to itself runs (`barreld.engine.plan`): equal, and such calls are allowed.
 
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
-nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: three to fifteen
-prefills of about 2.5 chunks (1 to 12 s on these 2 cores).
+nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: three to thirty
+prefills of about 2.5 chunks (1 to 20 s on these 2 cores).
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ import numpy as np
 from barreld.engine.backend import Backend, BackendError, BatchItem, ContextSettings
 from barreld.engine.memo import JsonMemo, cache_dir, verdict_key
 from barreld.engine.memory import Memory
-from barreld.engine.plan import chunk_end
+from barreld.engine.plan import call_end
 from barreld.names import MemoryKind
 
 log = logging.getLogger(__name__)
 
-GRAINS = (1, 2, 4, 8, 16, 32, 64)  # tried finest first; each must divide the chunk and leave room in it
-PROBE_VERSION = 3  # a verdict of another version of the probe is measured again
+GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
+MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
+PROBE_VERSION = 4  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
@@ -50,11 +56,14 @@ PROBE_TEXT = (
 
 @dataclass(frozen=True)
 class ExactReuse:
-    """The verdict: reuse points are multiples of `grain` tokens (the chunk size: nothing finer proven), and
-    `generated` says a token decoded alone gets the KV a prefill gives it (a reply is reusable as it is)."""
+    """The verdict: reuse points are multiples of `grain` tokens (the chunk size: nothing finer proven) that
+    leave `min_batch` tokens at least to the next chunk boundary, and `generated` says a token decoded alone
+    gets the KV a prefill gives it (a reply is reusable as it is)."""
 
     grain: int
     generated: bool = False
+    min_batch: int = 2
+    merged: bool = False  # a lone prefill may put several whole chunks in one llama.cpp call
     source: str = "chunk"  # probe, memo, chunk (not measured: the coarse rule), or forced (policy reuse_grain)
     probe_ms: float = 0.0
 
@@ -65,7 +74,10 @@ class ExactReuse:
             what = "any prefilled token"
         else:
             what = f"prefilled tokens at multiples of {self.grain}"
-        return what + (", generated tokens too" if self.generated else "")
+        if self.grain < chunk and self.min_batch > 2:
+            what += f" at least {self.min_batch} short of a chunk boundary"
+        what += ", generated tokens too" if self.generated else ""
+        return what + ("; a lone prefill takes several chunks a call" if self.merged else "")
 
     def as_dict(self, chunk: int) -> dict[str, object]:
         return {**asdict(self), "rule": self.describe(chunk)}
@@ -84,15 +96,17 @@ class ReuseProbe:
     def __call__(self, backend: Backend, memory: Memory, path: Path, settings: ContextSettings) -> ExactReuse:
         key = verdict_key(path, kind="reuse-grain", probe=PROBE_VERSION, chunk=memory.chunk, type_k=settings.type_k,
                           type_v=settings.type_v, flash_attn=settings.flash_attn, swa_full=memory.swa_full,
-                          gpu_layers=backend.gpu_layers, n_seq_max=settings.n_seq_max)
+                          gpu_layers=backend.gpu_layers, n_seq_max=settings.n_seq_max, n_batch=settings.n_batch)
         kept = self.memo.get(key)
         if isinstance(kept, dict) and isinstance(kept.get("grain"), int) and memory.chunk % kept["grain"] == 0:
-            return ExactReuse(kept["grain"], bool(kept.get("generated")), "memo", float(kept.get("probe_ms", 0)))
+            return ExactReuse(kept["grain"], bool(kept.get("generated")), int(kept.get("min_batch", 2)),
+                              bool(kept.get("merged")), "memo", float(kept.get("probe_ms", 0)))
         verdict = measure(backend, memory)
         if verdict.source == "probe":
             self.memo.put(key, {**asdict(verdict), "model": str(path), "at": time.time()})
-        log.info("%s: reuse grain %d, generated tokens %s (probe %.0f ms)", path.name, verdict.grain,
-                 "reusable" if verdict.generated else "not reusable", verdict.probe_ms)
+        log.info("%s: reuse grain %d, batches of %d tokens at least, generated tokens %s, %s (probe %.0f ms)",
+                 path.name, verdict.grain, verdict.min_batch, "reusable" if verdict.generated else "not reusable",
+                 "several chunks a call" if verdict.merged else "one chunk a call", verdict.probe_ms)
         return verdict
 
 
@@ -100,13 +114,20 @@ def measure(backend: Backend, memory: Memory) -> ExactReuse:
     """Probes on sequence 0 of an idle backend, which it leaves empty; any failure gives the chunk rule."""
     t0 = time.perf_counter()
     try:
-        grain, generated = _Probe(backend, memory).run()
+        grain, min_batch, generated, merged = _Probe(backend, memory).run()
     except (BackendError, ValueError) as exc:
         log.warning("the reuse probe failed (%s); reuse stays at chunk boundaries", exc)
-        grain, generated = memory.chunk, False
+        grain, min_batch, generated, merged = memory.chunk, 2, False, False
     finally:
         backend.seq_rm(PROBE_SEQ, 0, -1)
-    return ExactReuse(grain, generated, "probe", round((time.perf_counter() - t0) * 1000.0, 1))
+    return ExactReuse(grain, generated, min_batch, merged, "probe", round((time.perf_counter() - t0) * 1000.0, 1))
+
+
+def candidates(chunk: int) -> list[tuple[int, int]]:
+    """(grain, min_batch) pairs to try, the least reuse lost first: a grain loses up to grain - 1 tokens at
+    every reuse point, a fewest batch B up to B - 1 where a point falls within B of a chunk boundary."""
+    pairs = [(g, b) for g in GRAINS for b in MIN_BATCHES if chunk % g == 0 and 4 * g <= chunk and 2 * b <= chunk]
+    return sorted(pairs, key=lambda p: ((p[0] - 1) / 2 + p[1] * p[1] / (2 * chunk), p))
 
 
 class _Probe:
@@ -119,50 +140,86 @@ class _Probe:
         text = backend.tokenize(PROBE_TEXT)
         self.tokens = (text * (self.length // max(1, len(text)) + 1))[: self.length]
         self.head = b""  # the state of the first chunk, put back before each try
+        self.cold: tuple[bytes, bytes] = (b"", b"")  # the state bytes and last logits of a cold prefill
         self.last_rows = 0  # rows in the last batch decoded
 
-    def run(self) -> tuple[int, bool]:
+    def run(self) -> tuple[int, int, bool, bool]:
         c = self.memory.chunk
         ref_logits = self._prefill(0, self.length)
-        cold = (bytes(self.be.state_get(PROBE_SEQ)), ref_logits.tobytes())
+        self.cold = cold = (bytes(self.be.state_get(PROBE_SEQ)), ref_logits.tobytes())
         self._clear()
         self._prefill(0, c)
         self.head = bytes(self.be.state_get(PROBE_SEQ))
-        for grain in (g for g in GRAINS if c % g == 0 and 4 * g <= c):
-            k = c + (c // 2 // grain | 1) * grain  # an odd multiple of the grain, inside the second chunk
-            short = 2 * c + c // 2 // grain * grain  # a few tokens short of the end, inside the last chunk
-            if self._warm(k, grain) == cold and self._warm(short, grain) == cold:
-                return grain, self._generated(k) == cold
-        return c, False
+        for grain, min_batch in candidates(c):
+            points = self._points(grain, min_batch)
+            if points and all(self._warm(k, grain, min_batch) == cold for k in points):
+                return grain, min_batch, self._generated(grain, min_batch), self._merged(points, grain, min_batch)
+        return c, 2, False, self._merged([c], c, 2)
 
-    def _warm(self, k: int, grain: int) -> tuple[bytes, bytes]:
-        """A previous prompt ends past k, off the grain (a cut memory) or at k, then a prompt keeps k tokens
-        and prefills the rest."""
+    def _merged(self, points: list[int], grain: int, min_batch: int) -> bool:
+        """Whether calls of up to n_batch tokens, ending on chunk boundaries, give the chunked floats: a cold
+        prefill, and the warm starts just proven finished that way."""
+        room = self.be.n_batch
+        if room < 2 * self.memory.chunk:
+            return False
+        self._clear()
+        logits = self._prefill(0, self.length, room)
+        if (bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()) != self.cold:
+            return False
+        return all(self._warm(k, grain, min_batch, room) == self.cold for k in points)
+
+    def _points(self, grain: int, min_batch: int) -> list[int]:
+        """Where the warm starts keep their tokens: in the second chunk and the third (where the prompt ends,
+        but for chunks under 14 tokens), each the latest odd
+        multiple of the grain (any multiple where no odd one fits) that leaves min_batch tokens to prefill
+        before the chunk's end; for a memory that cannot be cut, also past min_batch tokens of its chunk
+        (the previous prompt ends there). Empty when the chunks leave no such point."""
+        c, cuts = self.memory.chunk, self.memory.kind is MemoryKind.FULL
+        points = []
+        for start, end in ((c, 2 * c), (2 * c, min(3 * c, self.length))):
+            fits = [m for m in range(1, (end - start) // grain) if end - start - m * grain >= min_batch
+                    and (cuts or m * grain >= min_batch)]
+            if not fits:
+                return []
+            odd = [m for m in fits if m % 2]
+            points.append(start + max(odd or fits) * grain)
+        return points
+
+    def _warm(self, k: int, grain: int, min_batch: int, room: int = 0) -> tuple[bytes, bytes]:
+        """A previous prompt ends past k (a cut memory: past the grain, with at least min_batch tokens in its
+        last chunk) or at k, then a prompt keeps k tokens and prefills the rest."""
         self._restart()
         cuts = self.memory.kind is MemoryKind.FULL
-        previous = min(k + grain + 1, self.length) if cuts else k
+        chunk_start = k // self.memory.chunk * self.memory.chunk
+        previous = min(max(k + grain + 1, chunk_start + min_batch), self.length) if cuts else k
         self._prefill(self.memory.chunk, previous)
         if cuts:
             self.be.seq_rm(PROBE_SEQ, k, -1)
-        return self._finish(k)
+        return self._finish(k, room)
 
-    def _generated(self, k: int) -> tuple[bytes, bytes]:
-        """At the grain found: a prefill to k, tokens decoded one per batch as a reply's are, then the rest."""
+    def _generated(self, grain: int, min_batch: int) -> bool:
+        """At the pair found: a prefill into the second chunk, tokens decoded one per batch as a reply's are,
+        then the rest from a reuse point past them; False where the chunk leaves no room for that."""
+        c = self.memory.chunk
+        k = c + -(-min_batch // grain) * grain
+        end = min(k + GENERATED, 2 * c - min_batch) // grain * grain
+        if end <= k:
+            return False
         self._restart()
-        self._decode(self.memory.chunk, k)
-        end = k + min(GENERATED, self.length - k - 2)
+        self._decode(c, k)
         for pos in range(k, end):
             self._decode(pos, pos + 1)
-        return self._finish(end)
+        return self._finish(end) == self.cold
 
-    def _finish(self, pos: int) -> tuple[bytes, bytes]:
-        logits = self._prefill(pos, self.length)
+    def _finish(self, pos: int, room: int = 0) -> tuple[bytes, bytes]:
+        logits = self._prefill(pos, self.length, room)
         return bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()
 
-    def _prefill(self, pos: int, end: int) -> np.ndarray:
-        """From pos to end in the engine's chunks; the last logits."""
+    def _prefill(self, pos: int, end: int, room: int = 0) -> np.ndarray:
+        """From pos to end in the engine's chunks, a call each or, given room, as many as room holds; the last
+        logits."""
         while pos < end:
-            stop = chunk_end(pos, end, self.memory.chunk)
+            stop = call_end(pos, end, self.memory.chunk, room)
             self._decode(pos, stop)
             pos = stop
         return self.be.logits(self.last_rows - 1)

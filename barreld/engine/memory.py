@@ -8,9 +8,10 @@ The rules rest on what llama.cpp was measured to do:
   (`barreld.engine.exactness`): the grain G, a divisor of C, such that a prefill whose batches start on
   multiples of G gives the KV and logits of the canonical split. Every reuse point is a multiple of G (G = C
   when nothing finer is proven), except a whole prompt whose last logits are stored (it samples without any
-  prefill). A batch of one token takes another kernel path: a reuse point never leaves a token to be
-  prefilled alone where the cold run's batch holds more, and a token that was prefilled alone (the last of
-  a prompt one past a multiple of C) is never reused by a longer prompt.
+  prefill). A batch of fewer than B tokens takes other kernels than a full chunk (B = 2: a token alone;
+  flash attention on the CPU: 64, its tiled path; Gemma 3's quantised kernels: 8), B measured with G: a
+  reuse point never leaves fewer than B tokens to be prefilled before the next chunk boundary, and the
+  tokens of a prompt's last chunk, when it held fewer than B, are never reused by a longer prompt.
 - full attention: the KV of a prefix does not depend on what follows it: restore anything, cut anywhere.
 - swa: a saved state holds only the last `window` cells of the sliding-window layers, so restored it is
   usable at its own length only. A live sequence can be cut to K while its SWA layers still hold positions
@@ -41,14 +42,16 @@ def memory_kind(n_swa: int, recurrent: bool, hybrid: bool) -> MemoryKind:
 
 @dataclass(frozen=True)
 class Memory:
-    """One loaded model's memory: its kind, sliding window, swa_full setting, prefill chunk size and reuse
-    grain (0: the chunk size, the rule for a model with nothing finer proven)."""
+    """One loaded model's memory: its kind, sliding window, swa_full setting, prefill chunk size, reuse
+    grain (0: the chunk size, the rule for a model with nothing finer proven) and the fewest tokens a batch
+    off a chunk boundary may hold (`min_batch`)."""
 
     kind: MemoryKind
     window: int = 0
     swa_full: bool = False
     chunk: int = 64
     grain: int = 0
+    min_batch: int = 2
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -57,6 +60,8 @@ class Memory:
             object.__setattr__(self, "grain", self.chunk)
         if self.grain < 1 or self.chunk % self.grain:
             raise ValueError(f"the reuse grain must divide the chunk size ({self.chunk}), got {self.grain}")
+        if self.min_batch < 2:
+            raise ValueError(f"the fewest tokens of a batch must be at least 2, got {self.min_batch}")
         if (self.kind is MemoryKind.SWA) != (self.window > 0):
             raise ValueError("a sliding window goes with the swa kind, and only with it")
 
@@ -87,17 +92,21 @@ class Memory:
 
     def extendable(self, frontier: int) -> int:
         """How many of `frontier` prefilled tokens a longer prompt can reuse before the grain is applied: all
-        but a last token that was prefilled alone (the final chunk of a prompt one past a multiple of C)."""
-        return frontier - 1 if frontier > 0 and (frontier - 1) % self.chunk == 0 else frontier
+        but a last chunk of fewer than min_batch tokens (a longer prompt's cold prefill holds them in a larger
+        batch, which takes other kernels)."""
+        if frontier <= 0:
+            return frontier
+        tail = frontier - (frontier - 1) // self.chunk * self.chunk
+        return frontier - tail if tail < self.min_batch else frontier
 
     def aligned(self, frontier: int, matched: int, n: int, logits_at: int | None) -> int:
         """The reuse point for a prompt of n tokens whose first `matched` tokens are those of a state holding
         `frontier` prefilled ones: the whole prompt when its logits after n tokens are known, else the last
-        multiple of the grain below n that leaves no token to be prefilled alone."""
+        multiple of the grain below n that leaves at least min_batch tokens before the next chunk boundary."""
         if min(frontier, matched) == n and logits_at == n:
             return n
         k = min(self.extendable(frontier), matched, n - 1) // self.grain * self.grain
-        while k > 0 and k % self.chunk and chunk_end(k, n, self.chunk) - k < 2:
+        while k > 0 and k % self.chunk and chunk_end(k, n, self.chunk) - k < self.min_batch:
             k -= self.grain
         return max(k, 0)
 

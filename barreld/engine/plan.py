@@ -6,6 +6,11 @@ repacked quantised kernels), and a batch holding one token of a sequence takes a
 schedule for every prefill, a warm prefill from a multiple of C evaluates exactly the batches a cold prefill
 of the same prompt does, one-token tail included, and gets the same KV and logits.
 
+A prefill with the context to itself (one request running) may put several whole chunks in one call, up to
+n_batch tokens, where the load-time probe proved that such calls give the chunked floats
+(`barreld.engine.exactness`): llama.cpp prefills faster in larger batches (its CPU kernels split the work
+over more rows and meet at fewer barriers). A call still ends at every point the prompt is saved at.
+
 Each prefill run is decoded in a llama.cpp call of its own, and the sampling steps in one after them. With
 several sequences (a KV stream each), llama.cpp cuts a batch into micro-batches holding equally many tokens of
 every sequence in it, so beside one sampling step a chunk's first token would go into a micro-batch of its own
@@ -15,7 +20,7 @@ take rows in groups count them from the call's first row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -25,6 +30,15 @@ from barreld.engine.backend import BatchItem
 def chunk_end(pos: int, end: int, chunk: int) -> int:
     """Where the prefill chunk that starts at pos ends: the next multiple of `chunk`, or the prompt's end."""
     return min((pos // chunk + 1) * chunk, end)
+
+
+def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] = ()) -> int:
+    """Where one llama.cpp call that prefills from pos ends when it may hold several whole chunks: the last
+    chunk end within `room` tokens of pos (the first chunk's end at least), short of any of `stops`."""
+    stop = chunk_end(pos, end, chunk)
+    while stop < end and stop not in stops and chunk_end(stop, end, chunk) - pos <= room:
+        stop = chunk_end(stop, end, chunk)
+    return stop
 
 
 def byte_offsets(pieces: list[bytes]) -> list[int]:
@@ -49,6 +63,7 @@ class Slot:
     pos: int  # tokens in the sequence's KV
     target: Sequence[int]  # the tokens it must hold before sampling
     pending: int | None  # a sampled token not yet in KV
+    stops: Collection[int] = ()  # where a call that holds several chunks must end
 
 
 @dataclass
@@ -70,16 +85,22 @@ class DecodeBatch:
             self.items.extend(items)
 
 
-def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False) -> DecodeBatch:
+def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False,
+               merge: bool = False) -> DecodeBatch:
     """The next whole chunk of each prefilling slot while n_batch has room for it beside the sampling steps,
-    then the next token of every decoding slot."""
+    then the next token of every decoding slot. With `merge` (proven exact at load), a slot that is alone
+    prefills as many whole chunks as n_batch holds in one call, up to its next stop."""
     batch = DecodeBatch()
     decoding = [] if prefill_only else [i for i, s in enumerate(slots) if s.pending is not None]
     room = n_batch - len(decoding)
+    alone = merge and len(slots) == 1
     for i, s in enumerate(slots):
         if s.pending is not None or s.pos >= len(s.target):
             continue
-        end = chunk_end(s.pos, len(s.target), chunk)
+        if alone:
+            end = call_end(s.pos, len(s.target), chunk, n_batch, s.stops)
+        else:
+            end = chunk_end(s.pos, len(s.target), chunk)
         if end - s.pos > room - len(batch.items):
             batch.waiting = True
             continue

@@ -87,7 +87,7 @@ class LoadOptions:
     fingerprint: Fingerprint = Fingerprint()
     n_threads: int | None = None  # None: the usable cores
     n_gpu_layers: int = -1  # -1: every layer the build can offload
-    flash_attn: bool = False
+    flash_attn: bool = True  # on: faster prefill and decode, its reuse rules measured at load (exactness)
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
@@ -171,6 +171,7 @@ def context_params(settings: ContextSettings, backend: Backend, memory: Memory) 
         swa_full=memory.kind is MemoryKind.SWA and memory.swa_full,
         prefill_chunk=memory.chunk,
         reuse_grain=0 if memory.grain == memory.chunk else memory.grain,
+        reuse_min_batch=2 if memory.grain == memory.chunk else memory.min_batch,
         gpu_layers=backend.gpu_layers,
     )
 
@@ -316,7 +317,7 @@ class ModelRegistry:
         )
         turn_ends = tuple(s.encode() for s in opts.stop)
         worker = ModelWorker(name, backend, cache, max_queue=self.max_queue, turn_ends=turn_ends,
-                             generated_exact=exact.generated)
+                             generated_exact=exact.generated, merge_chunks=exact.merged)
         return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers, exact)
 
     def _memory(self, backend: Backend, policy: Policy, path: Path, settings: ContextSettings
@@ -326,7 +327,7 @@ class ModelRegistry:
         probe = self.reuse_probe
         exact = reuse_grain(memory, policy.reuse_grain,
                             None if probe is None else lambda: probe(backend, memory, path, settings))
-        return dataclasses.replace(memory, grain=exact.grain), exact
+        return dataclasses.replace(memory, grain=exact.grain, min_batch=exact.min_batch), exact
 
     def _blocks_fit(self, name: str, policy: Policy, chunk: int) -> bool:
         """Whether the store keeps this model's checkpoints as blocks. Blocks must start where the prefill's

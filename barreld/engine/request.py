@@ -148,3 +148,7 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def stops(self) -> frozenset[int]:
+        """Prompt lengths a prefill call must end at: each gets a checkpoint or a snapshot there."""
+        return self.boundaries | {p for p in (self.cold_at, self.snapshot_at) if p}

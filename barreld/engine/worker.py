@@ -74,7 +74,7 @@ def _ms(seconds: float) -> float:
 
 class ModelWorker:
     def __init__(self, name: str, backend: Backend, cache: ModelCache, *, max_queue: int = DEFAULT_MAX_QUEUE,
-                 turn_ends: tuple[bytes, ...] = (), generated_exact: bool = False):
+                 turn_ends: tuple[bytes, ...] = (), generated_exact: bool = False, merge_chunks: bool = False):
         self.name = name
         self.backend = backend
         self.cache = cache
@@ -85,6 +85,7 @@ class ModelWorker:
         # as if the model had ended its turn (not as a stop sequence the client asked for).
         self.turn_ends = turn_ends
         self.generated_exact = generated_exact  # measured at load: a sampled token's KV is a prefill's
+        self.merge_chunks = merge_chunks  # measured at load: calls of several chunks give the chunked floats
         self.seqs = [Sequence(i) for i in range(backend.n_seq_max)]
         # A completion has at least one token: end-of-generation is masked at the first step, or an
         # instruct model given a bare question would often answer with nothing at all.
@@ -315,8 +316,8 @@ class ModelWorker:
             self._finish(req, FinishReason.CANCELLED)
         self._sample_stored()
         active = list(self._active)
-        slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending) for r in active]
-        batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only)
+        slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending, r.stops()) for r in active]
+        batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only, self.merge_chunks)
         if not batch.items:
             return batch.waiting
         wanted = sorted(idx for _, idx in (*batch.prefills, *batch.samples))

@@ -90,9 +90,16 @@ def test_every_kv_relevant_parameter_changes_the_key(field: str) -> None:
     assert KeyScheme(SCHEME.fingerprint, "Q4_1", changed.encode()).key(b"p") != SCHEME.key(b"p")
 
 
+def test_the_fewest_batch_changes_the_key_with_a_grain_and_keeps_older_keys() -> None:
+    fine = dataclasses.replace(CTX, reuse_grain=1)
+    assert dataclasses.replace(fine, reuse_min_batch=64).encode() != fine.encode()
+    assert dataclasses.replace(fine, reuse_min_batch=2).encode() == fine.encode()  # the rule before it was measured
+    assert dataclasses.replace(CTX, reuse_min_batch=64).encode() == CTX.encode()  # the chunk rule: no such point
+
+
 def test_scheduling_parameters_are_not_part_of_the_key() -> None:
     fields = {f.name for f in dataclasses.fields(CtxParams)}
-    assert fields == set(CHANGES)
+    assert fields == {*CHANGES, "reuse_min_batch"}
     assert not fields & {"n_batch", "n_ubatch", "n_threads", "n_ctx", "n_seq_max", "seed"}
 
 

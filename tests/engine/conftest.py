@@ -38,7 +38,7 @@ POLICY = Policy(
     snapshot_gap_tokens=16,
 )
 CHUNK = 8
-OPTIONS = {"n_ctx": 256, "n_batch": 64}
+OPTIONS = {"n_ctx": 256, "n_batch": 64, "flash_attn": False}  # the fake's flash attention splits every batch
 EVENT_TIMEOUT = 10.0
 PLAIN = b"xzqkjv0123456789#%&"
 """Bytes that start and end no multi-byte piece: text made of them is one token per byte."""

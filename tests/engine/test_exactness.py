@@ -35,17 +35,36 @@ def test_a_model_whose_floats_ignore_the_split_is_reusable_at_any_token_but_not_
 
 def test_a_split_sensitive_model_keeps_the_chunk_rule(tmp_path: Path) -> None:
     be = opened(write_gguf(tmp_path / "m.gguf", split=True))
-    assert measure(be, model_memory(be, 16)).grain == 16
+    verdict = measure(be, model_memory(be, 16))
+    assert verdict.grain == 16 and not verdict.merged
     be = opened(write_gguf(tmp_path / "fa.gguf"), ContextSettings(n_ctx=256, n_batch=64, flash_attn=True))
-    assert measure(be, model_memory(be, 16)).grain == 16
+    verdict = measure(be, model_memory(be, 16))
+    assert verdict.grain == 16 and not verdict.merged  # one call of 47 tokens is under the tiled path's 64
 
 
-def test_a_model_whose_small_batches_take_another_path_keeps_the_chunk_rule(tmp_path: Path) -> None:
-    """As llama.cpp's flash attention on the CPU under 64 tokens: a warm start that leaves a few tokens of a
-    chunk the cold prefill fills more is caught by the probe's start a few tokens short of the prompt's end
-    (the start inside the second chunk leaves enough here)."""
+def test_calls_of_several_chunks_are_allowed_where_they_give_the_chunked_floats(tmp_path: Path) -> None:
+    be = opened(write_gguf(tmp_path / "m.gguf"), ContextSettings(n_ctx=256, n_batch=128))
+    verdict = measure(be, model_memory(be, 32))
+    assert verdict.merged and "several chunks a call" in verdict.describe(32)
+    be = opened(write_gguf(tmp_path / "fa.gguf"), ContextSettings(n_ctx=1024, n_batch=512, flash_attn=True))
+    verdict = measure(be, model_memory(be, 128))
+    assert (verdict.grain, verdict.min_batch, verdict.merged) == (1, 64, True)
+    be = opened(write_gguf(tmp_path / "n.gguf"), ContextSettings(n_ctx=256, n_batch=32))
+    assert not measure(be, model_memory(be, 32)).merged  # n_batch is one chunk: nothing to merge
+
+
+def test_a_model_whose_small_batches_take_another_path_is_reused_where_a_full_batch_follows(tmp_path: Path) -> None:
+    """As llama.cpp's flash attention on the CPU under 64 tokens: the probe finds the fewest tokens a batch off
+    a chunk boundary may hold, and with it the finest grain."""
     be = opened(write_gguf(tmp_path / "m.gguf", min_batch=8), ContextSettings(n_ctx=256, n_batch=128))
-    assert measure(be, model_memory(be, 32)).grain == 32
+    verdict = measure(be, model_memory(be, 32))
+    assert (verdict.grain, verdict.min_batch) == (1, 8)
+    assert "at least 8 short of a chunk boundary" in verdict.describe(32)
+
+
+def test_a_fewest_batch_the_chunk_cannot_hold_twice_keeps_the_chunk_rule(tmp_path: Path) -> None:
+    be = opened(write_gguf(tmp_path / "m.gguf", min_batch=16), ContextSettings(n_ctx=256, n_batch=128))
+    assert measure(be, model_memory(be, 16)).grain == 16
 
 
 def test_no_room_for_a_probe_fails_safe_to_the_chunk_rule(tmp_path: Path) -> None:
@@ -67,14 +86,16 @@ def test_a_verdict_is_remembered_per_file_and_settings(tmp_path: Path) -> None:
     assert other.source == "probe"
 
 
-@pytest.mark.parametrize("forced", [None, CHUNK])
+@pytest.mark.parametrize(("forced", "min_batch", "chunk"), [(None, 0, CHUNK), (CHUNK, 0, CHUNK), (None, 8, 16)])
 def test_a_chat_at_the_measured_grain_replies_as_cold_and_reuses_the_settled_reply(
-    tmp_path: Path, store: WatchedStore, forced: int | None
+    tmp_path: Path, store: WatchedStore, forced: int | None, min_batch: int, chunk: int
 ) -> None:
-    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
-    policy = {"settle_tokens": "infinity"} | ({} if forced is None else {"reuse_grain": str(forced)})
-    loaded = e.load(policy=policy)
+    model = write_gguf(tmp_path / "fake.gguf", min_batch=min_batch)
+    e = Engine(tmp_path, store, model_file=model, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    policy = {"settle_tokens": "infinity", "prefill_chunk_size": str(chunk)}
+    loaded = e.load(policy=policy | ({} if forced is None else {"reuse_grain": str(forced)}))
     assert loaded.memory.grain == (forced or 1) and loaded.exact_reuse.source == ("forced" if forced else "probe")
+    assert loaded.memory.min_batch == (min_batch or 2)
     prompt, restores, previous = plain(37, 1), [], 0
     for turn in range(4):
         reply = e.run(prompt)
@@ -88,7 +109,7 @@ def test_a_chat_at_the_measured_grain_replies_as_cold_and_reuses_the_settled_rep
         prompt = prompt + reply.text + plain(11, turn + 2)[1:]
     assert e.counter("settled_tokens") > 0
     # the coarse rule keeps whole chunks; the measured grain reuses past them (off the chunks at least once)
-    assert all(r % CHUNK == 0 for r in restores) if forced else any(r % CHUNK for r in restores)
+    assert all(r % chunk == 0 for r in restores) if forced else any(r % chunk for r in restores)
     e.close()
 
 

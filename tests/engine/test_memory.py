@@ -58,6 +58,21 @@ def test_a_finer_grain_reuses_more_and_never_leaves_a_token_to_be_prefilled_alon
         Memory(MemoryKind.FULL, chunk=64, grain=3)
 
 
+TILED = Memory(MemoryKind.FULL, chunk=128, grain=1, min_batch=64)  # flash attention on the CPU
+
+
+def test_a_fewest_batch_keeps_every_warm_batch_on_the_full_chunks_kernels() -> None:
+    assert TILED.aligned(1000, 1000, 1100, None) == 960  # 961..1023 would be a batch of 63: the chunk start
+    assert TILED.aligned(1000, 950, 1100, None) == 950 and TILED.aligned(1000, 961, 1100, None) == 960
+    assert TILED.aligned(1100, 1100, 1100, None) == 1036  # the prompt's end: 1036..1099 is a batch of 64
+    assert TILED.extendable(1000) == 1000 and TILED.extendable(1023) == 1023  # last chunks of 104, 127 tokens
+    assert TILED.extendable(960) == 960 and TILED.extendable(930) == 896  # last chunks of 64 and 34 tokens
+    assert TILED.aligned(930, 930, 1100, None) == 896  # its last 34 were a small batch: not reused
+    assert FINE.extendable(769) == 768 == Memory(MemoryKind.FULL, chunk=64, grain=1, min_batch=2).extendable(769)
+    with pytest.raises(ValueError, match="at least 2"):
+        Memory(MemoryKind.FULL, chunk=64, grain=1, min_batch=1)
+
+
 def test_the_grain_is_the_chunk_unless_a_finer_one_is_given() -> None:
     assert FULL.grain == 64 and FULL.summary == "restores and cuts at any chunk boundary"
     assert FINE.summary == "restores and cuts at any token" and "multiple of 4 tokens" in BY4.summary

@@ -6,11 +6,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from barreld.engine.backend import BatchItem
-from barreld.engine.plan import Slot, chunk_end, common_prefix_len, plan_batch
+from barreld.engine.plan import Slot, call_end, chunk_end, common_prefix_len, plan_batch
 
 
-def slot(seq: int, pos: int, target: int, pending: int | None = None) -> Slot:
-    return Slot(seq, pos, list(range(100 + seq * 1000, 100 + seq * 1000 + target)), pending)
+def slot(seq: int, pos: int, target: int, pending: int | None = None, stops: tuple[int, ...] = ()) -> Slot:
+    return Slot(seq, pos, list(range(100 + seq * 1000, 100 + seq * 1000 + target)), pending, stops)
 
 
 def test_whole_chunks_come_first_then_the_sampling_steps_within_n_batch() -> None:
@@ -51,6 +51,24 @@ def test_no_room_means_no_chunk_rather_than_part_of_one() -> None:
     batch = plan_batch([slot(0, 5, 5, pending=1), slot(1, 0, 10)], 8, n_batch=8)
     assert [it.seq for it in batch.items] == [0] and batch.waiting
     assert plan_batch([slot(1, 0, 10)], 8, n_batch=8, prefill_only=True).items[-1].pos == 7
+
+
+def test_a_prefill_alone_takes_whole_chunks_up_to_n_batch_and_its_next_stop_in_one_call() -> None:
+    batch = plan_batch([slot(0, 8, 100, stops=(80,))], 16, 64, merge=True)
+    assert [it.pos for it in batch.items] == list(range(8, 64)) and batch.calls == [(0, 56)]
+    assert batch.prefills == [(0, 55)] and [it.logits for it in batch.items].count(True) == 1
+    assert plan_batch([slot(0, 64, 100, stops=(80,))], 16, 64, merge=True).items[-1].pos == 79
+    assert plan_batch([slot(0, 96, 100)], 16, 64, merge=True).items[-1].pos == 99
+    two = plan_batch([slot(0, 0, 100), slot(1, 0, 100)], 16, 64, merge=True)
+    assert two.calls == [(0, 16), (16, 32)]  # with company, the canonical chunks
+    assert plan_batch([slot(0, 0, 100)], 16, 64).calls == [(0, 16)]  # not proven: one chunk a call
+
+
+def test_a_call_of_several_chunks_ends_on_a_chunk_boundary_or_the_prompt_end() -> None:
+    assert call_end(0, 100, 16, 64) == 64 and call_end(8, 100, 16, 64) == 64 and call_end(8, 100, 16, 50) == 48
+    assert call_end(8, 100, 16, 4) == 16  # the first chunk whatever the room
+    assert call_end(0, 100, 16, 64, stops=(32,)) == 32 and call_end(0, 40, 16, 64) == 40
+    assert call_end(0, 100, 16, 0) == chunk_end(0, 100, 16)
 
 
 def test_common_prefix_of_token_lists() -> None:

@@ -113,7 +113,8 @@ def test_keys_follow_the_file_and_the_context_not_the_name(engine: Engine, tmp_p
         ("a", {"n_threads": 0}, InvalidArgument, "bad n_threads 0"),
         ("a", {"n_gpu_layers": -2}, InvalidArgument, "bad n_gpu_layers -2"),
         ("a", {"type_k": "q3_k"}, InvalidArgument, "bad type_k 'q3_k': expected one of f16"),
-        ("a", {"type_v": "q4_0"}, InvalidArgument, "bad type_v 'q4_0': a quantised V cache needs flash_attn"),
+        ("a", {"type_v": "q4_0", "flash_attn": False}, InvalidArgument,
+         "bad type_v 'q4_0': a quantised V cache needs flash_attn"),
     ],
 )
 def test_bad_options_are_refused_and_nothing_is_loaded(
@@ -133,7 +134,7 @@ KNOBS = [  # (option, value, whether it changes the bytes of a state, so the key
     ("n_gpu_layers", 12, False),
     ("type_k", "q8_0", True),
     ("type_v", "f32", True),
-    ("flash_attn", True, True),
+    ("flash_attn", False, True),
     ("policy", {"prefill_chunk_size": "16"}, True),  # where prefills split changes floats on some models
     ("policy", {"min_tokens": "64"}, False),
     ("swa_full", False, False),  # a model without a sliding window

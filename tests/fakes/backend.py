@@ -4,9 +4,9 @@ What it keeps from llama.cpp, because the engine's correctness depends on it:
 - the logits at a position are a function of the KV it was computed from (a digest of the sequence's
   history, see tests/fakes/memory.py), so a wrong restore or a wrong cut changes the logits and the reply;
 - a token that is the only one of its sequence in a batch gets other KV and logits than inside a prefill;
-  on a split-sensitive model (the GGUF says so, or flash attention is on) every batch boundary counts; a GGUF
-  may also name the fewest tokens a batch holds for the usual path (`fake.min_batch`, as flash attention's
-  CPU kernel takes another below 64);
+  on a split-sensitive model (the GGUF says so) every batch boundary counts; so do the bounds of a batch of
+  fewer tokens than a minimum (64 with flash attention, as llama.cpp's CPU kernel is tiled from 64 rows;
+  else what the GGUF names as `fake.min_batch`, 2 by default);
 - the four memory kinds (full, swa with swa_full on or off, recurrent, hybrid), chosen by the GGUF's
   metadata (`write_gguf`): what a cut keeps or refuses, what a saved state holds, what positions it reports;
 - states in llama.cpp's sequence-state layout (one layer: K rows are the digests, V rows the tokens), so the
@@ -136,8 +136,8 @@ class FakeBackend:
         self.memory = MemoryKind(meta.get("fake.memory", "full"))
         self.swa_window = int(meta.get("fake.window", "0"))
         self.swa_full = settings.swa_full and self.swa_window > 0
-        self.split_sensitive = meta.get("fake.split") == "1" or settings.flash_attn
-        self.min_batch = int(meta.get("fake.min_batch", "2"))
+        self.split_sensitive = meta.get("fake.split") == "1"
+        self.min_batch = max(int(meta.get("fake.min_batch", "2")), 64 if settings.flash_attn else 2)
         slots = settings.n_ctx if self.swa_full else min(settings.n_ctx, self.swa_window + settings.n_batch)
         root = hashlib.sha256(data).digest()[:16]
         self.seqs = [SeqMemory(self.memory, root, self.swa_window, slots) for _ in range(settings.n_seq_max)]
@@ -191,7 +191,7 @@ class FakeBackend:
             return struct.pack("<ii", run[0], len(run))
         if len(run) == 1:
             return b"alone"
-        return b"small" if len(run) < self.min_batch else b""
+        return struct.pack("<ii", run[0], len(run)) if len(run) < self.min_batch else b""
 
     def _check_batch(self, items: list[BatchItem]) -> None:
         """All of a batch is checked before any of it is applied: a refused batch changes nothing."""

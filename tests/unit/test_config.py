@@ -316,7 +316,6 @@ BAD = [
     ("[[models]]\nname = 'smollm2'\nswa_full = 1", "models[0].swa_full", "expected true or false"),
     ("[[models]]\nname = 'smollm2'\ntype_k = 'q3_k'", "models[0].type_k", "unknown cache type 'q3_k'"),
     ("[[models]]\nname = 'smollm2'\ntype_v = 8", "models[0].type_v", "expected a string"),
-    ("[[models]]\nname = 'smollm2'\ntype_v = 'q4_0'", "models[0].type_v", "needs flash_attn = true"),
     ("[[models]]\nname = 'smollm2'\ntype_v = 'q8_0'\nflash_attn = false", "models[0].type_v", "needs flash_attn"),
     ("[models]\nname = 'smollm2'", "models", "array of tables"),
     ("[daemon]\nwriters = 0", "daemon.writers", "whole number >= 1"),
