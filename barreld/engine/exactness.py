@@ -38,13 +38,12 @@ from barreld.engine.backend import Backend, BackendError, BatchItem, ContextSett
 from barreld.engine.memo import JsonMemo, cache_dir, verdict_key
 from barreld.engine.memory import Memory
 from barreld.engine.plan import call_end
-from barreld.names import MemoryKind
 
 log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
 MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
-PROBE_VERSION = 4  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 5  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
@@ -152,11 +151,11 @@ class _Probe:
         self.head = bytes(self.be.state_get(PROBE_SEQ))
         for grain, min_batch in candidates(c):
             points = self._points(grain, min_batch)
-            if points and all(self._warm(k, grain, min_batch) == cold for k in points):
+            if points and all(self._warm(k, cut, grain, min_batch) == cold for k, cut in points):
                 return grain, min_batch, self._generated(grain, min_batch), self._merged(points, grain, min_batch)
-        return c, 2, False, self._merged([c], c, 2)
+        return c, 2, False, self._merged([(c, False)], c, 2)
 
-    def _merged(self, points: list[int], grain: int, min_batch: int) -> bool:
+    def _merged(self, points: list[tuple[int, bool]], grain: int, min_batch: int) -> bool:
         """Whether calls of up to n_batch tokens, ending on chunk boundaries, give the chunked floats: a cold
         prefill, and the warm starts just proven finished that way."""
         room = self.be.n_batch
@@ -166,34 +165,41 @@ class _Probe:
         logits = self._prefill(0, self.length, room)
         if (bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()) != self.cold:
             return False
-        return all(self._warm(k, grain, min_batch, room) == self.cold for k in points)
+        return all(self._warm(k, cut, grain, min_batch, room) == self.cold for k, cut in points)
 
-    def _points(self, grain: int, min_batch: int) -> list[int]:
-        """Where the warm starts keep their tokens: in the second chunk and the third (where the prompt ends,
-        but for chunks under 14 tokens), each the latest odd
-        multiple of the grain (any multiple where no odd one fits) that leaves min_batch tokens to prefill
-        before the chunk's end; for a memory that cannot be cut, also past min_batch tokens of its chunk
-        (the previous prompt ends there). Empty when the chunks leave no such point."""
-        c, cuts = self.memory.chunk, self.memory.kind is MemoryKind.FULL
+    def _points(self, grain: int, min_batch: int) -> list[tuple[int, bool]]:
+        """Where the warm starts keep their tokens, and whether each cuts a longer prompt back (a live
+        sequence, or a full-attention state) or takes a state at its own length: each way the memory reuses.
+        For each, a point in the second chunk and one in the third (where the prompt ends, but for chunks
+        under 14 tokens), the latest odd multiple of the grain (any multiple where no odd one fits) that
+        leaves min_batch tokens to prefill before the chunk's end, and for a state at its own length also
+        past min_batch tokens of its chunk (the previous prompt ends there). Empty when the chunks leave no
+        such point; but a state at its own length with 2 * min_batch at least the chunk needs no point where
+        the prompt ends: its warm batches start min_batch into a chunk and hold min_batch at least, so none
+        ends inside a chunk."""
+        c, memory = self.memory.chunk, self.memory
+        ways = [True] if memory.cuts_states else [False, *([True] if memory.cuts_live else [])]
         points = []
-        for start, end in ((c, 2 * c), (2 * c, min(3 * c, self.length))):
-            fits = [m for m in range(1, (end - start) // grain) if end - start - m * grain >= min_batch
-                    and (cuts or m * grain >= min_batch)]
-            if not fits:
-                return []
-            odd = [m for m in fits if m % 2]
-            points.append(start + max(odd or fits) * grain)
+        for cut in ways:
+            for start, end in ((c, 2 * c), (2 * c, min(3 * c, self.length))):
+                fits = [m for m in range(1, (end - start) // grain) if end - start - m * grain >= min_batch
+                        and (cut or m * grain >= min_batch)]
+                if not fits and start > c and not cut and 2 * min_batch >= c:
+                    continue
+                if not fits:
+                    return []
+                odd = [m for m in fits if m % 2]
+                points.append((start + max(odd or fits) * grain, cut))
         return points
 
-    def _warm(self, k: int, grain: int, min_batch: int, room: int = 0) -> tuple[bytes, bytes]:
-        """A previous prompt ends past k (a cut memory: past the grain, with at least min_batch tokens in its
-        last chunk) or at k, then a prompt keeps k tokens and prefills the rest."""
+    def _warm(self, k: int, cut: bool, grain: int, min_batch: int, room: int = 0) -> tuple[bytes, bytes]:
+        """A previous prompt ends past k and is cut back to k (past the grain, with at least min_batch tokens
+        in its last chunk), or ends at k; then a prompt keeps k tokens and prefills the rest."""
         self._restart()
-        cuts = self.memory.kind is MemoryKind.FULL
         chunk_start = k // self.memory.chunk * self.memory.chunk
-        previous = min(max(k + grain + 1, chunk_start + min_batch), self.length) if cuts else k
+        previous = min(max(k + grain + 1, chunk_start + min_batch), self.length) if cut else k
         self._prefill(self.memory.chunk, previous)
-        if cuts:
+        if cut:
             self.be.seq_rm(PROBE_SEQ, k, -1)
         return self._finish(k, room)
 

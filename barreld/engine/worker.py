@@ -1,8 +1,9 @@
 """The per-model worker: one thread owns the llama.cpp context and serves every request for that model.
 
 Each tick builds one batch: the next token of every decoding sequence, then the next whole prefill chunk
-of each prefilling one (chunks end at multiples of the chunk size, see `barreld.engine.plan`), within
-n_batch; a chunk that does not fit beside the sampling steps goes into a prefill-only tick next. Requests
+of each prefilling one (chunks end at multiples of the chunk size, see `barreld.engine.plan`; a request
+running alone takes as many as n_batch holds, where the probe proved that exact), within n_batch; a chunk
+that does not fit beside the sampling steps goes into a prefill-only tick next. Requests
 beyond n_seq_max wait in a bounded FIFO queue. A finished request's sequence stays live so the next turn
 can reuse it in place; it is saved (reason `evict`) and released only when its place is needed.
 
