@@ -1,35 +1,39 @@
 """Cold prefill of a long agent head against llama-server, side by side in one run, with each barreld setting the
-issue names as a suspect: what each costs per token before any default is changed.
+issue names as a suspect: what each costs per token.
 
-    python -m bench.prefill [--tokens 12000] [--results bench/RESULTS.md]
+    python -m bench.prefill [--tokens 12000] [--rounds 3] [--results bench/RESULTS.md]
 
 Writes (or replaces) the section "prefill" of the results file. Progress goes to stderr.
 
 Method. The head is Codex CLI's first request as tests/data/codex-request.json holds it (its instructions, its
 tools as JSON, the user's turn), written out as plain text and cut to `--tokens` tokens of the model's own
 tokenizer (repeated first where it is shorter; SmolLM2, whose context is 8k, at most 8,000), so every server reads
-the same tokens. Each server gets it once
-as a raw prompt, one token to generate, nothing cached (each barreld is fresh; llama-server gets
-`cache_prompt: false`). Prefill tokens/s is the prompt's tokens over the server's own prefill time: barreld's
-timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention, a 32k
-context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full on for a sliding-window
+the same tokens. Each server gets it as a raw prompt, one token to generate, nothing cached (another first line
+each round; llama-server also gets `cache_prompt: false`), `--rounds` times: every server is started once and
+asked in an order that rotates. Prefill tokens/s is the prompt's tokens over the server's own prefill time:
+barreld's timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention,
+a 32k context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full on for a sliding-window
 model, flash attention on, prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a
 llama.cpp call as n_batch holds where the load-time probe proves that exact), then one knob changed at a time:
-swa_full off, flash attention off, one chunk a call (`reuse_grain = 128`: no probe, so nothing proven),
-prefill chunks of 512. llama-server: `-c N -b 512` and its defaults (flash attention
-`auto`, which is on here), every core. One measurement each, in one run: read the ratios, not the seconds.
+swa_full off, flash attention off, one chunk a call (`reuse_grain = 128`: no probe, so nothing proven).
+llama-server: `-c N -b 512` and its defaults (flash attention `auto`, which is on here), every core. Beside them
+the floor (bench.prefill_floor, a child process): the same prompt through barreld's backend in a loop, in the
+calls barreld's defaults make, with no server around it; barreld's defaults over the floor are what the daemon
+adds to llama.cpp's own work. Medians of the rounds, in one run: read the ratios, not the seconds.
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import begin, model_path, progress
+from bench.harness import begin, median, model_path, progress
 from bench.llama_server import LlamaServer, build
 from bench.report import Table, bench_parser, ratio, show_and_put
 from tests.support.sandbox import Sandbox
@@ -42,8 +46,9 @@ VARIANTS = {  # name: (model knobs, policy knobs)
     "swa_full off": ("swa_full = false\n", ""),
     "flash attention off": ("flash_attn = false\n", ""),
     "one chunk a call": ("", "reuse_grain = 128\n"),
-    "prefill chunks of 512": ("", "prefill_chunk_size = 512\n"),
 }
+LLAMA = "llama-server"
+FLOOR = "llama.cpp alone, barreld's backend in a loop (its defaults)"
 SMOLLM2_TOKENS = 8000  # its context is 8k
 
 
@@ -80,16 +85,30 @@ def prompt_of(model: Model, tokens: int) -> tuple[str, int]:
     return cut, n
 
 
-def barreld_rate(model: Model, knobs: str, policy: str, prompt: str) -> float:
-    config = (f'{policy}\n[[models]]\nname = "{model.name}"\npath = "{model.path}"\nn_ctx = {model.n_ctx}\n'
-              f"{knobs}")
-    with Sandbox.new(config, label="bench-prefill") as box:
-        box.start_daemon("--log-level", "warning", timeout=180)
-        client = box.client()
-        done = client.complete(prompt.encode(), model=model.name, max_tokens=1, timeout=900).result()
-        client.close()
-    assert done.restored == 0, done.route
-    return done.prefilled / (done.timings_ms["prefill"] / 1000)
+def round_prompt(prompt: str, r: int) -> str:
+    """The head for round r: another first line each round, so no server finds anything of it cached."""
+    return f"Request {r + 1}.\n{prompt}"
+
+
+class Barreld:
+    """One barreld variant, started once and asked each round."""
+
+    def __init__(self, model: Model, knobs: str, policy: str) -> None:
+        config = (f"{policy}\n[[models]]\nname = \"{model.name}\"\npath = \"{model.path}\"\n"
+                  f"n_ctx = {model.n_ctx}\n{knobs}")
+        self.model = model
+        self.box = Sandbox.new(config, label="bench-prefill")
+        self.box.start_daemon("--log-level", "warning", timeout=180)
+        self.client = self.box.client()
+
+    def rate(self, prompt: str) -> float:
+        done = self.client.complete(prompt.encode(), model=self.model.name, max_tokens=1, timeout=900).result()
+        assert done.restored == 0, done.route
+        return done.prefilled / (done.timings_ms["prefill"] / 1000)
+
+    def close(self) -> None:
+        self.client.close()
+        self.box.close()
 
 
 class GemmaServer(LlamaServer):
@@ -103,42 +122,64 @@ class GemmaServer(LlamaServer):
         cmd[cmd.index("-c") + 1] = str(self.model.n_ctx)
         return cmd
 
+    def rate(self, prompt: str) -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_prompt": False}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        timings = json.loads(conn.getresponse().read())["timings"]
+        conn.close()
+        return timings["prompt_n"] / (timings["prompt_ms"] / 1000)
 
-def llama_rate(server: LlamaServer, prompt: str) -> float:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=900)
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_prompt": False}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    timings = json.loads(conn.getresponse().read())["timings"]
-    conn.close()
-    return timings["prompt_n"] / (timings["prompt_ms"] / 1000)
+
+def floor_rate(model: Model, work: Path, prompt: str) -> float:
+    """bench.prefill_floor's tokens/s for this prompt on barreld's default settings, in a child process."""
+    text = work / "prompt.txt"
+    text.write_text(prompt)
+    flags = ["--swa-full"] if model.sliding else []
+    out = subprocess.run([sys.executable, "-m", "bench.prefill_floor", str(model.path), str(text), str(model.n_ctx),
+                          *flags], capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(out.stdout)["rate"]
 
 
-def measure(tokens: int) -> Table:
+def measure(tokens: int, rounds: int) -> Table:
     binary = build()
     models = [Model("gemma", gemma_path(), 32768, True), Model("smollm2", model_path(), 8192, False)]
     t = Table(f"Cold prefill of Codex CLI's head, about {tokens:,} tokens (SmolLM2: {SMOLLM2_TOKENS:,}), tokens/s",
               ["model", "server", "prompt tokens", "prefill tokens/s", "vs llama-server"])
     for model in models:
         prompt, n = prompt_of(model, tokens if model.sliding else min(tokens, SMOLLM2_TOKENS))
+        names = [v for v in VARIANTS if model.sliding or v != "swa_full off"]
+        rates: dict[str, list[float]] = {LLAMA: [], FLOOR: [], **{v: [] for v in names}}
         with tempfile.TemporaryDirectory(prefix="barrel-bench-prefill-") as work:
+            progress(f"{model.name}: starting llama-server and {len(names)} barreld")
             server = GemmaServer(Path(work), binary, model)
             server.start()
+            daemons: dict[str, Barreld] = {}
             try:
-                progress(f"{model.name}: llama-server, {n} tokens")
-                ls = llama_rate(server, prompt)
+                for v in names:
+                    knobs, policy = VARIANTS[v]
+                    daemons[v] = Barreld(model, knobs, f"[policy]\n{policy}" if policy else "")
+                sides = {LLAMA: server.rate, FLOOR: functools.partial(floor_rate, model, Path(work)),
+                         **{v: d.rate for v, d in daemons.items()}}
+                order = list(sides)
+                for r in range(rounds):
+                    for name in order[r % len(order):] + order[: r % len(order)]:
+                        progress(f"{model.name}, round {r + 1}/{rounds}: {name}")
+                        rates[name].append(sides[name](round_prompt(prompt, r)))
             finally:
                 server.stop()
-        t.add(model.name, "llama-server", f"{n:,}", f"{ls:.0f}", "1.00x")
-        for variant, (knobs, policy) in VARIANTS.items():
-            if variant == "swa_full off" and not model.sliding:
-                continue
-            progress(f"{model.name}: barreld, {variant}")
-            rate = barreld_rate(model, knobs, f"[policy]\n{policy}" if policy else "", prompt)
-            t.add(model.name, f"barreld, {variant}", f"{n:,}", f"{rate:.0f}", ratio(rate, ls))
-    t.note = ("One cold request each, one token generated; prefill time as each server reports it. barreld's "
-              "defaults are swa_full on (for Gemma), flash attention on, chunks of n_batch / 4 = 128 and, for a "
-              "prefill alone, as many chunks a call as n_batch (512) holds where the probe proves it exact; each "
-              "other row changes one of them. llama-server's flash attention `auto` is on here.")
+                for d in daemons.values():
+                    d.close()
+        ls = median(rates[LLAMA])
+        t.add(model.name, LLAMA, f"{n:,}", f"{ls:.0f}", "1.00x")
+        for v in names:
+            t.add(model.name, f"barreld, {v}", f"{n:,}", f"{median(rates[v]):.0f}", ratio(median(rates[v]), ls))
+        t.add(model.name, FLOOR, f"{n:,}", f"{median(rates[FLOOR]):.0f}", ratio(median(rates[FLOOR]), ls))
+    t.note = (f"Medians of {rounds} rounds, the servers' order rotating; each request cold (another first line "
+              "each round), one token generated; prefill time as each server reports it. barreld's defaults are "
+              "swa_full on (for Gemma), flash attention on, chunks of n_batch / 4 = 128 and, for a prefill alone, "
+              "as many chunks a call as n_batch (512) holds where the probe proves it exact; each other row "
+              "changes one of them. llama-server's flash attention `auto` is on here.")
     return t
 
 
@@ -146,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = bench_parser("bench.prefill", __doc__, SECTION)
     p.add_argument("--tokens", type=int, default=12000)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     m, t0 = begin()
-    tb = measure(args.tokens)
+    tb = measure(args.tokens, args.rounds)
     show_and_put(tb, args.results, SECTION, "Cold prefill of an agent head against llama-server", "bench.prefill", argv,
                  t0, m["load"])
     return 0
