@@ -413,7 +413,7 @@ class _ConfigReader:
                 if value not in KV_CACHE_TYPES:
                     self.fail(f"{key}.{name}", f"unknown cache type {value!r}: expected {', '.join(KV_CACHE_TYPES)}")
                 out[name] = value
-        if out.get("type_v", "f16") not in PLAIN_KV_TYPES and not out.get("flash_attn", True):
+        if out.get("type_v", "f16") not in PLAIN_KV_TYPES and out.get("flash_attn") is False:
             self.fail(f"{key}.type_v", f"a quantised V cache ({out['type_v']}) needs flash_attn = true")
         if "chat_template" in entry:
             path = self.path(entry["chat_template"], f"{key}.chat_template")

@@ -7,6 +7,7 @@ batches and per-sequence KV state, and `Llama.save_state()` copies the whole con
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
+from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError, resolve_flash_attn
 from barreld.engine.memory import memory_kind
 from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES
 
@@ -91,6 +92,8 @@ class LlamaBackend:
         if settings.n_ctx > n_ctx_train:
             L.llama_model_free(self._model)
             raise ModelLoadError(f"n_ctx {settings.n_ctx} exceeds the model's training context {n_ctx_train}")
+        self.flash_attn = resolve_flash_attn(settings.flash_attn, max(0, L.llama_model_n_swa(self._model)))
+        settings = self.settings = dataclasses.replace(settings, flash_attn=self.flash_attn)
         cparams = self._context_params(settings)
         self._ctx = L.llama_init_from_model(self._model, cparams)
         if not self._ctx:

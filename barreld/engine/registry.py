@@ -87,7 +87,7 @@ class LoadOptions:
     fingerprint: Fingerprint = Fingerprint()
     n_threads: int | None = None  # None: the usable cores
     n_gpu_layers: int = -1  # -1: every layer the build can offload
-    flash_attn: bool = True  # on: faster prefill and decode, its reuse rules measured at load (exactness)
+    flash_attn: bool | None = None  # None: on for a sliding-window model (backend.resolve_flash_attn)
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
@@ -105,7 +105,7 @@ def check_model_knobs(opts: LoadOptions) -> None:
     for what, value in (("type_k", opts.type_k), ("type_v", opts.type_v)):
         if value not in KV_CACHE_TYPES:
             raise InvalidArgument(f"bad {what} {value[:40]!r}: expected one of {', '.join(KV_CACHE_TYPES)}")
-    if opts.type_v not in PLAIN_KV_TYPES and not opts.flash_attn:
+    if opts.type_v not in PLAIN_KV_TYPES and opts.flash_attn is False:
         raise InvalidArgument(f"bad type_v {opts.type_v!r}: a quantised V cache needs flash_attn on")
     problem = stops_problem(opts.stop)
     if problem:
@@ -283,7 +283,8 @@ class ModelRegistry:
             n_gpu_layers=opts.n_gpu_layers,
             type_k=KV_CACHE_TYPES[opts.type_k],
             type_v=KV_CACHE_TYPES[opts.type_v],
-            flash_attn=opts.flash_attn,
+            # unset: on for a sliding-window model (resolve_flash_attn), and wherever a quantised V needs it
+            flash_attn=True if opts.flash_attn is None and opts.type_v not in PLAIN_KV_TYPES else opts.flash_attn,
             swa_full=opts.swa_full is not False,
         )
         blocks = self._blocks_fit(name, policy, policy.chunk_size(opts.n_batch) or opts.n_batch)
@@ -296,6 +297,7 @@ class ModelRegistry:
             raise FailedPrecondition(f"cannot load {name!r}: {exc}") from None
         if opts.chat_template:
             backend.chat_template = opts.chat_template
+        settings = dataclasses.replace(settings, flash_attn=backend.flash_attn)
         memory, exact = self._memory(backend, policy, path, settings)
         quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
         ctx_bytes = context_params(settings, backend, memory).encode()

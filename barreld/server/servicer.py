@@ -137,7 +137,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         n_threads=m.options.n_threads or 0,
         n_gpu_layers=m.options.n_gpu_layers,
         gpu_layers=m.gpu_layers,
-        flash_attn=m.options.flash_attn,
+        flash_attn=m.worker.backend.flash_attn,
         type_k=m.options.type_k,
         type_v=m.options.type_v,
         swa_full=m.memory.swa_full,

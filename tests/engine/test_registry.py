@@ -134,11 +134,21 @@ KNOBS = [  # (option, value, whether it changes the bytes of a state, so the key
     ("n_gpu_layers", 12, False),
     ("type_k", "q8_0", True),
     ("type_v", "f32", True),
-    ("flash_attn", False, True),
+    ("flash_attn", True, True),  # unset: off for a model without a sliding window
     ("policy", {"prefill_chunk_size": "16"}, True),  # where prefills split changes floats on some models
     ("policy", {"min_tokens": "64"}, False),
     ("swa_full", False, False),  # a model without a sliding window
 ]
+
+
+def test_flash_attention_unset_is_on_for_a_sliding_window_model_and_wherever_a_quantised_v_needs_it(
+    registry: ModelRegistry, tmp_path: Path
+) -> None:
+    full, swa = write_gguf(tmp_path / "full.gguf"), write_gguf(tmp_path / "swa.gguf", memory=MemoryKind.SWA, window=16)
+    assert not registry.load("full", opts(full)).worker.backend.flash_attn
+    assert registry.load("swa", opts(swa)).worker.backend.flash_attn
+    assert registry.load("q", opts(full, type_v="q8_0")).worker.backend.flash_attn
+    assert not registry.load("off", opts(swa, flash_attn=False)).worker.backend.flash_attn
 
 
 @pytest.mark.parametrize(("option", "value", "changes"), KNOBS)

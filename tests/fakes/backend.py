@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError
+from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError, resolve_flash_attn
 from barreld.names import MemoryKind
 from tests.fakes.memory import Cell, SeqMemory
 
@@ -137,7 +137,8 @@ class FakeBackend:
         self.swa_window = int(meta.get("fake.window", "0"))
         self.swa_full = settings.swa_full and self.swa_window > 0
         self.split_sensitive = meta.get("fake.split") == "1"
-        self.min_batch = max(int(meta.get("fake.min_batch", "2")), 64 if settings.flash_attn else 2)
+        self.flash_attn = resolve_flash_attn(settings.flash_attn, self.swa_window)
+        self.min_batch = max(int(meta.get("fake.min_batch", "2")), 64 if self.flash_attn else 2)
         slots = settings.n_ctx if self.swa_full else min(settings.n_ctx, self.swa_window + settings.n_batch)
         root = hashlib.sha256(data).digest()[:16]
         self.seqs = [SeqMemory(self.memory, root, self.swa_window, slots) for _ in range(settings.n_seq_max)]
