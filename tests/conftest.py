@@ -3,12 +3,19 @@ private XDG directories, data dir, ram_file root and socket, so tests never touc
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support.redis_sandbox import RedisServer
 from tests.support.sandbox import Sandbox
+
+# A suite started in the background of a non-interactive shell (`tests/run &` in a script) inherits SIGINT
+# ignored, and so would every barrelctl it starts: its Ctrl-C would do nothing and the Ctrl-C tests fail. A
+# handler of our own is reset to the default in each child, which then takes Ctrl-C as a user's shell would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
