@@ -143,12 +143,9 @@ class Request:
     boundaries: frozenset[int] = frozenset()  # prompt lengths at which to store a snapshot as its own row
     snapshot_saves: list[Callable[[], object]] = field(default_factory=list)  # read, queued once the prefill ends
     snapshot_at: int = 0  # prompt length at which to copy the state of a memory that cannot be cut (0: none)
+    stops: frozenset[int] = frozenset()  # the three above: where a prefill call that holds several chunks ends
     prefill_started: float = 0.0
     first_token_at: float | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-    def stops(self) -> frozenset[int]:
-        """Prompt lengths a prefill call must end at: each gets a checkpoint or a snapshot there."""
-        return self.boundaries | {p for p in (self.cold_at, self.snapshot_at) if p}

@@ -228,6 +228,7 @@ class ModelWorker:
         req.cold_at = self.cache.cold_boundary(len(tokens), kept)
         req.boundaries = self.cache.boundary_points(len(tokens), kept, message_tokens(req.params, rendered, offsets))
         req.snapshot_at = self.cache.memory.snapshot_point(len(tokens), kept)
+        req.stops = req.boundaries | {p for p in (req.cold_at, req.snapshot_at) if p}
         if kept and req.snapshot_at == kept:
             self.starts.snapshot(seq)
         req.scanner = StopScanner(list(req.params.stop), list(req.params.turn_ends))
@@ -317,7 +318,7 @@ class ModelWorker:
             self._finish(req, FinishReason.CANCELLED)
         self._sample_stored()
         active = list(self._active)
-        slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending, r.stops()) for r in active]
+        slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending, r.stops) for r in active]
         batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only, self.merge_chunks)
         if not batch.items:
             return batch.waiting
