@@ -8,12 +8,19 @@ immutable sandbox: a template comes from a file or a client, and must not reach 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2.ext import Extension
+
+from barreld.engine import calllayout
+from barreld.engine.callformats import GENERIC as GENERIC_FAMILY
+from barreld.engine.callformats import family_of
 from barreld.engine.tools import GENERIC, ToolCall, ToolSpec, generic_description, knows_tools, template_tools
 from barreld.errors import FailedPrecondition, InvalidArgument
 
@@ -128,11 +135,12 @@ class Rendering:
     text: bytes
     ends: tuple[int, ...] = ()
     opening: bytes = b""
+    call: calllayout.CallLayout | None = None
 
 
 def render_conversation(
     template: str | None, messages: tuple[Message, ...], *, ends: bool = False, opening: bool = False,
-    **options: Any,
+    call_end: str | None = None, think: tuple[str, str] | None = None, **options: Any,
 ) -> Rendering:
     """`render` (with its keyword arguments), and as asked:
 
@@ -143,14 +151,19 @@ def render_conversation(
     - `opening`: what the template writes between the reply to these messages and a next user message, so
       that a chat that goes on sends the prompt, the reply and this first. Found by rendering the
       conversation with a placeholder reply and user message; none where the template does not write the
-      reply as it is right after the prompt."""
+      reply as it is right after the prompt.
+    - `call_end` (the family's text that closes a call region): how the next turn will write a call of the
+      reply (calllayout), for a forced call's grammar; `think`, the family's reasoning marks, for templates
+      that render a reasoning otherwise in the next turn than the prompt opened it."""
     renderer = _Renderer(template, messages, **options)
     text = renderer.whole()
-    return Rendering(text, renderer.ends(text) if ends else (), renderer.opening(text) if opening else b"")
+    layout = renderer.call_layout(text, call_end, think) if call_end is not None else None
+    return Rendering(text, renderer.ends(text) if ends else (), renderer.opening(text) if opening else b"", layout)
 
 
 MESSAGE_ENDS_HEAD, MESSAGE_ENDS_TAIL = 8, 24
 _REPLY, _NEXT = "BarrelReplyPlaceholder", "BarrelNextTurnPlaceholder"  # stand-ins a template writes as they are
+_RESULT = "BarrelToolResultPlaceholder"
 
 
 def _ends_tried(n_messages: int) -> list[int]:
@@ -172,25 +185,16 @@ class _Renderer:
             raise FailedPrecondition(
                 f"model {model} has no chat template; send a plain prompt, or give a template with the request"
             )
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise InvalidArgument(f"the chat template refused the messages: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
-        env.filters["tojson"] = tojson
-        self._errors = jinja2.TemplateError
-        try:
-            self._template = env.from_string(template)
-        except jinja2.TemplateError as exc:
-            raise InvalidArgument(f"the chat template failed: {exc}") from None
-        self.messages = template_messages(template, messages, tools)
+        self._template = compiled(template)
+        self._source, self._given, self._tools = template, messages, tools
+        self._text_arguments = writes_text_arguments(template)
+        self.messages = self._messages(messages)
         self._extra = {"bos_token": bos, "eos_token": eos}
         if tools is not None and knows_tools(template):
             self._extra["tools"] = template_tools(tools.tools)
+
+    def _messages(self, messages: tuple[Message, ...]) -> list[dict]:
+        return template_messages(self._source, messages, self._tools, self._text_arguments)
 
     def whole(self) -> bytes:
         return self._render(self.messages, cue=True)
@@ -217,12 +221,82 @@ class _Renderer:
         end = after.find(_NEXT.encode(), start)
         return after[start:end] if after.startswith(reply) and end > start else b""
 
+    def call_layout(self, text: bytes, call_end: str,
+                    think: tuple[str, str] | None = None) -> calllayout.CallLayout | None:
+        """How the next turn will write a call of the reply: read after this conversation, else after a lone
+        user message (for templates that move the system prompt into the last user turn, Mistral's)."""
+        layout = calllayout.derive(self._probe(self._given), text.decode(), call_end, think)
+        if layout is not None:
+            return layout
+        question = (Message("user", _NEXT),)
+        prompt = self._render(self._messages(question), cue=True)
+        layout = calllayout.derive(self._probe(question), prompt.decode(), call_end, think)
+        return None if layout is None else dataclasses.replace(layout, cut=None, kept=False)
+
+    def _probe(self, given: tuple[Message, ...]) -> calllayout.Render:
+        def render(arguments: object) -> str | None:
+            call = ToolCall(calllayout.PROBE_ID, calllayout.PROBE_NAME, json.dumps(arguments))
+            result = Message("tool", _RESULT, tool_call_id=calllayout.PROBE_ID)
+            turns = (*given, Message("assistant", "", (call,)), result)
+            try:
+                return self._render(self._messages(turns), cue=True).decode()
+            except InvalidArgument:
+                return None
+
+        return render
+
     def _render(self, messages: list[dict], cue: bool) -> bytes:
+        return _rendered(self._template, messages, add_generation_prompt=cue, **self._extra)
+
+
+def _rendered(template: Any, messages: list[dict], **context: Any) -> bytes:
+    import jinja2
+
+    try:
+        text = template.render(messages=messages, **context)
+    except jinja2.TemplateError as exc:
+        raise InvalidArgument(f"the chat template failed: {exc}") from None
+    return text.encode("utf-8", "replace")
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(template: str) -> Any:
+    """A template compiled once in Jinja's immutable sandbox, with what Hugging Face's renderer gives templates
+    (loop controls, `{% generation %}`, `raise_exception`, `strftime_now`, its `tojson`)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.filters["tojson"] = tojson
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise InvalidArgument(f"the chat template failed: {exc}") from None
+
+
+def _raise_exception(message: str) -> None:
+    raise InvalidArgument(f"the chat template refused the messages: {message}")
+
+
+@functools.lru_cache(maxsize=32)
+def writes_text_arguments(template: str) -> bool:
+    """Whether the template writes a call's arguments as a string: it fails on them as an object and renders
+    them as text (Functionary's). Hugging Face's renderer passes what the client sent; llama.cpp's server, like
+    Barrel, gives objects unless the template needs text."""
+    if "tool_calls" not in template:
+        return False
+    call = ToolCall(calllayout.PROBE_ID, calllayout.PROBE_NAME, '{"a": 1}')
+    turns = (Message("user", _NEXT), Message("assistant", "", (call,)))
+    for text in (False, True):
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=cue, **self._extra)
-        except self._errors as exc:
-            raise InvalidArgument(f"the chat template failed: {exc}") from None
-        return text.encode("utf-8", "replace")
+            _rendered(compiled(template), template_messages(template, turns, None, text), add_generation_prompt=False)
+            return text
+        except InvalidArgument:
+            continue
+    return False
 
 
 def strftime_now(fmt: str) -> str:
@@ -234,19 +308,45 @@ def strftime_now(fmt: str) -> str:
 def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     """JSON as Hugging Face's renderer writes it for templates: Jinja's own filter escapes < > & ' for HTML,
-    so a tool's schema or a call's arguments would render to other bytes than the model was trained on."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    so a tool's schema or a call's arguments would render to other bytes than the model was trained on.
+    Jinja's `map` and `select` give generators, which are written as the lists they yield."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                      default=_listed)
 
 
-def template_messages(template: str, messages: tuple[Message, ...], tools: ToolSpec | None) -> list[dict]:
-    """Messages as Hugging Face templates take them. For a template that knows no tools, the tools are
-    described in the system turn and each call is written into the assistant's content as the model wrote
-    it, so a reply renders back to its own bytes."""
-    if knows_tools(template):
-        return [_template_message(m) for m in messages]
-    out = [{"role": m.role, "content": m.content + GENERIC.text(m.tool_calls) if m.tool_calls else m.content}
-           for m in messages]
-    if tools is not None:
+def _listed(value: object) -> list:
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+class _Generation(Extension):
+    """Hugging Face's `{% generation %}` block (it marks the assistant's text for training masks): renders its
+    body as it is."""
+
+    tags = {"generation"}  # noqa: RUF012 - Jinja's own protocol
+
+    def parse(self, parser: Any) -> Any:
+        from jinja2 import nodes
+
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def template_messages(template: str, messages: tuple[Message, ...], tools: ToolSpec | None,
+                      text_arguments: bool = False) -> list[dict]:
+    """Messages as Hugging Face templates take them. A template that writes calls in a family's layout (or
+    knows tools) is given them as calls; one that knows no tools has each call written into the assistant's
+    content as the model wrote it, so a reply renders back to its own bytes. Tools a template does not render
+    are described in the system turn. `text_arguments`: calls' arguments go as the JSON text they came in (for
+    templates that write them as strings, Functionary's), not as objects."""
+    if knows_tools(template) or family_of(template) is not GENERIC_FAMILY:
+        out = [_template_message(m, text_arguments) for m in messages]
+    else:
+        out = [{"role": m.role, "content": m.content + GENERIC.text(m.tool_calls) if m.tool_calls else m.content}
+               for m in messages]
+    if tools is not None and not knows_tools(template):
         described = generic_description(tools.tools)
         if out and out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + described
@@ -255,11 +355,11 @@ def template_messages(template: str, messages: tuple[Message, ...], tools: ToolS
     return out
 
 
-def _template_message(m: Message) -> dict:
+def _template_message(m: Message, text_arguments: bool = False) -> dict:
     doc: dict = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        doc["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+        doc["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments if text_arguments else json.loads(c.arguments)}}
                              for c in m.tool_calls]
     if m.role == "tool":
         doc["tool_call_id"] = m.tool_call_id

@@ -52,6 +52,25 @@ def schemas_grammar(named: list[tuple[str, object]], root: str) -> str:
     return _convert(named) + f"\nroot ::= {root}"
 
 
+# JSON exactly as `tojson` (Python's json.dumps, ensure_ascii off) writes it back: ", " and ": " between items and
+# nothing else, the escapes it uses, numbers it writes as they were read (no exponent, no trailing zeros).
+TOJSON_RULES = {
+    "space": '""',
+    "char": r'[^"\\\x00-\x1F] | "\\" (["\\bfnrt] | "u00" ("0" [0-7bef] | "1" [0-9a-f]))',
+    "number": '("-"? integral-part) ("." ("0" | [0-9]{0,14} [1-9]))? space',
+}
+
+
+def tojson_grammar(gbnf: str) -> str:
+    """The converter's GBNF narrowed to the one spelling `tojson` gives each value, so that a template that
+    writes the arguments back with `tojson` writes the very bytes the model generated."""
+    out = []
+    for line in gbnf.replace('"," space', '", "').replace('":" space', '": "').splitlines():
+        name = line.split(" ::= ", 1)[0]
+        out.append(f"{name} ::= {TOJSON_RULES[name]}" if name in TOJSON_RULES else line)
+    return "\n".join(out)
+
+
 def check_schema(schema: object) -> None:
     """InvalidArgument unless `schema` is JSON Schema whose every constraint the grammar enforces."""
     import jsonschema
@@ -151,7 +170,9 @@ def _convert(named: list[tuple[str, object]]) -> str:
     converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
         for name, schema in named:  # each its own base for $refs, so equal $defs paths do not collide
-            converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), f"input-{name}"), name)
+            rule = converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), f"input-{name}"), name)
+            if name and rule != name:  # a plain type is the converter's shared rule: name it too
+                converter._add_rule(name, rule)
         return converter.format_grammar()
     except (AssertionError, KeyError, ValueError, TypeError, RecursionError) as exc:
         raise InvalidArgument(f"the JSON schema could not be turned into a grammar: {str(exc)[:200]}") from None

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 
 from barreld.cache.key import CtxParams, KeyScheme, fingerprint_gguf
 from barreld.engine.backend import Backend, BackendFactory, ContextSettings, ModelLoadError
+from barreld.engine.callformats import GENERIC, family_of
 from barreld.engine.exactness import ExactReuse
 from barreld.engine.llama_backend import LlamaBackend
 from barreld.engine.memory import Memory
 from barreld.engine.model_cache import ModelCache, state_cutter, state_shape
 from barreld.engine.policy import AUTO, Policy
+from barreld.engine.tools import knows_tools
 from barreld.engine.worker import DEFAULT_MAX_QUEUE, ModelWorker
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import (
@@ -240,6 +242,10 @@ class ModelRegistry:
             model.memory.kind,
             model.memory.summary,
         )
+        template = model.worker.backend.chat_template
+        if knows_tools(template) and family_of(template) is GENERIC:
+            log.warning("%s: its chat template knows tools in a layout Barrel does not know; its calls are asked "
+                        "for and read in the generic format (one JSON object a call)", name)
         return model
 
     def _check(self, name: str, opts: LoadOptions) -> Policy:

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from barreld.engine.callformats import GENERIC, Family, family_of
 from barreld.engine.chat import Message
 from barreld.engine.request import CompletionParams, Done, Started, Token, TokenLogprob
 from barreld.engine.tools import CallStream, ToolCall
 from barreld.names import FinishReason
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # how reasoning models set their reasoning apart
 
 
 class Echo(StrEnum):
@@ -66,26 +65,32 @@ class Finish:
 ReplyEvent = Started | TextDelta | ReasoningDelta | Finish
 
 
-def sets_reasoning_apart(template: str | None) -> bool:
-    """The template writes reasoning between <think> tags (Qwen3, DeepSeek R1 and their kin)."""
-    return THINK_OPEN in (template or "")
+def reply_family(template: str | None, params: CompletionParams) -> Family:
+    """The family whose format a reply is read in: the template's, for a conversation it renders; the generic
+    one (no reasoning, calls as JSON objects) for a raw prompt."""
+    return family_of(template) if params.messages or params.chat else GENERIC
 
 
 class ReplyReader:
     """One request's events as typed reply events, for the request's own parameters (its messages and tools,
-    before the worker renders them). `reasons`: the template sets reasoning apart with <think>."""
+    before the worker renders them), read in `family`'s format: its reasoning set apart, its calls found."""
 
-    def __init__(self, params: CompletionParams, reasons: bool, echo: Echo = Echo.TEXT) -> None:
+    def __init__(self, params: CompletionParams, family: Family, echo: Echo = Echo.TEXT) -> None:
         self.params = params
         self.echo = echo
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._calls = CallStream(params.tools) if params.tools is not None else None
-        self._thinking = _Reasoning() if reasons else None
+        reads = params.tools is not None or family.markers
+        self._calls = CallStream(params.tools, family) if reads else None
+        self._thinking = _Reasoning(family.think) if family.think else None
         self._shown: list[str] = []
         self._thought: list[str] = []
 
-    def read(self, ev: Started | Token) -> list[ReplyEvent]:
+    def read(self, ev: Started | Token, prompt: bytes = b"") -> list[ReplyEvent]:
+        """The events of one of the worker's; `prompt`, as the worker rendered it, with Started: a prompt that
+        ends inside the reasoning (a template that opens it for the model) starts the reply in it."""
         if isinstance(ev, Started):
+            if self._thinking is not None:
+                self._thinking.opened_by(prompt.decode("utf-8", "replace"))
             return [ev]
         out = self._text(self._decoder.decode(ev.text), ev.text, ev.logprobs)
         self._note(out)
@@ -152,39 +157,49 @@ def resent(call: ToolCall, echo: Echo) -> ToolCall:
 
 
 class _Reasoning:
-    """Splits a streamed reply that opens with <think> into its reasoning and the rest."""
+    """Splits a streamed reply that opens with reasoning between `think`'s marks (or with the closing mark alone,
+    its prompt having opened it) into its reasoning and the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, think: tuple[str, str]) -> None:
+        self._open, self._close = think
         self._seen = ""
         self._state = "start"  # start: before the reply shows whether it thinks; think; text
 
+    def opened_by(self, prompt: str) -> None:
+        """The prompt ended inside the reasoning: the reply starts in it."""
+        if prompt.rstrip().endswith(self._open):
+            self._state = "think"
+
     def feed(self, piece: str) -> tuple[str, str]:
-        """(reasoning, text) of the next piece; text that may still begin <think> or end it is held back."""
+        """(reasoning, text) of the next piece; text that may still begin the opening mark or end it is held."""
         if self._state == "text":
             return "", piece
         self._seen += piece
         if self._state == "start":
             body = self._seen.lstrip()
-            if THINK_OPEN.startswith(body):
+            if self._open.startswith(body) or self._close.startswith(body):
                 return "", ""
-            if not body.startswith(THINK_OPEN):
+            if body.startswith(self._close):  # its prompt opened the reasoning, and the reply closes it at once
+                self._state, self._seen = "think", body
+            elif body.startswith(self._open):
+                self._state, self._seen = "think", body[len(self._open):]
+            else:
                 self._state = "text"
                 return "", self._seen
-            self._state, self._seen = "think", body[len(THINK_OPEN):]
         return self._thought()
 
     def _thought(self) -> tuple[str, str]:
-        end = self._seen.find(THINK_CLOSE)
+        end = self._seen.find(self._close)
         if end >= 0:
-            thought, rest = self._seen[:end], self._seen[end + len(THINK_CLOSE):].lstrip("\n")
+            thought, rest = self._seen[:end], self._seen[end + len(self._close):].lstrip("\n")
             self._state, self._seen = "text", ""
             return thought, rest
-        held = max((n for n in range(1, len(THINK_CLOSE)) if self._seen.endswith(THINK_CLOSE[:n])), default=0)
+        held = max((n for n in range(1, len(self._close)) if self._seen.endswith(self._close[:n])), default=0)
         thought, self._seen = self._seen[:len(self._seen) - held], self._seen[len(self._seen) - held:]
         return thought, ""
 
     def flush(self) -> tuple[str, str]:
-        """(reasoning, text) held back when the reply ends: an unclosed <think> is all reasoning."""
+        """(reasoning, text) held back when the reply ends: an unclosed reasoning is all reasoning."""
         held, self._seen = self._seen, ""
         if self._state == "think":
             return held, ""

@@ -1,11 +1,11 @@
-"""Tool calls, once for every front end: the tools a request offers, how a model's chat template writes a
-call, the grammar that forces one, and the parser that finds calls in a reply (whole or as it streams).
+"""Tool calls, once for every front end: the tools a request offers, the grammar that forces a call, and the
+reading of calls from a reply (whole or as it streams) in the format of the model's family (callformats).
 
 A template that knows tools (it mentions `tools`) is given them as Hugging Face templates expect; one that
-does not (SmolLM2, Gemma 3) gets the generic format: the tools described in the system turn, and a call
-written as one JSON object `{"name": ..., "arguments": {...}}`. A call is rendered back into history as the
-very bytes the grammar lets the model write, and `arguments` is returned as the model wrote it, so the next
-turn's prompt starts with this turn's prompt and reply and the cache restores through them.
+does not (SmolLM2, Gemma 3) gets them described in the system turn. A forced call is held to the very bytes the
+template writes back for it (calllayout), so the next turn's prompt starts with this turn's prompt and reply
+and the cache restores through them; where no layout can be read off the template, to the generic format's
+JSON object, written into the history as the model wrote it.
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from barreld.engine import calllayout
+from barreld.engine.callformats import Family, ParsedCall
 from barreld.errors import InvalidArgument
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_TOOLS = 128
 CHOICES = ("auto", "none", "required")  # and a tool's name: that tool must be called
-MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")  # text that starts a call, by family
-LONGEST_MARKER = max(map(len, MARKERS))
-SKIPPED = (*MARKERS, "</tool_call>", ";", ",", "[", "]")  # between calls
-ARGS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 GENERIC_INTRO = (
     "You can call tools. To call one, reply with only a JSON object "
     '{"name": <the tool\'s name>, "arguments": <its arguments>} and nothing else. The tools, one per line:'
@@ -112,43 +110,26 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class Format:
-    """How a family writes calls: around all of them, around each, between them, and the arguments' key."""
+    """The generic format's calls as text: one JSON object each, a new line between them."""
 
     name: str
-    start: str = ""
-    end: str = ""
-    each_open: str = ""
-    each_close: str = ""
     separator: str = "\n"
     args_key: str = "arguments"
 
     def envelope(self, name: str, arguments: str) -> str:
-        return f'{self.each_open}{{"name": {json.dumps(name)}, "{self.args_key}": {arguments}}}{self.each_close}'
+        return f'{{"name": {json.dumps(name)}, "{self.args_key}": {arguments}}}'
 
     def text(self, calls: Sequence[ToolCall]) -> str:
         """The calls as the model writes them (and as a forced call's grammar lets it)."""
-        return self.start + self.separator.join(self.envelope(c.name, c.arguments) for c in calls) + self.end
+        return self.separator.join(self.envelope(c.name, c.arguments) for c in calls)
 
 
 GENERIC = Format("generic")
-HERMES = Format("hermes", each_open="<tool_call>\n", each_close="\n</tool_call>")
-MISTRAL = Format("mistral", start="[TOOL_CALLS][", end="]", separator=", ")
-LLAMA3 = Format("llama3", separator="; ", args_key="parameters")
 
 
 def knows_tools(template: str | None) -> bool:
-    """The template renders `tools` itself; otherwise the generic format describes them in the system turn."""
+    """The template renders `tools` itself; otherwise they are described in the system turn."""
     return bool(template) and "tools" in template
-
-
-def format_of(template: str | None) -> Format:
-    if not knows_tools(template):
-        return GENERIC
-    assert template is not None
-    for marker, fmt in (("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL), ("<|start_header_id|>", LLAMA3)):
-        if marker in template:
-            return fmt
-    return GENERIC
 
 
 def generic_description(tools: Sequence[Tool]) -> str:
@@ -167,11 +148,15 @@ def template_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
                                               "parameters": t.parameters}} for t in tools]
 
 
-def forced_grammar(spec: ToolSpec, fmt: Format) -> str:
+def forced_grammar(spec: ToolSpec, layout: calllayout.CallLayout | None, seed: bytes) -> str:
     """GBNF for exactly one call to an offered tool, its arguments valid against the tool's schema (a schema
-    the grammar cannot enforce is held to any JSON object), written as `fmt` writes it."""
+    the grammar cannot enforce is held to any JSON object): in the template's own bytes where `layout` was read
+    off it (an id where it writes one, fixed by `seed`, the prompt), else as the generic format writes it."""
     from barreld.engine.grammar import JSON_OBJECT, check_schema, schemas_grammar
 
+    if layout is not None:
+        offered = [calllayout.Offered(t.name, t.parameters, calllayout.call_id(seed, t.name)) for t in spec.offered()]
+        return calllayout.grammar(layout, offered)
     named: list[tuple[str, object]] = []
     alternatives = []
     for i, t in enumerate(spec.offered()):
@@ -181,11 +166,11 @@ def forced_grammar(spec: ToolSpec, fmt: Format) -> str:
         except InvalidArgument:
             schema = JSON_OBJECT
         named.append((f"tool{i}", schema))
-        head = f'{json.dumps(t.name)}, "{fmt.args_key}": '
+        head = f'{json.dumps(t.name)}, "{GENERIC.args_key}": '
         alternatives.append(f"{_literal(head)} tool{i}")
     body = " | ".join(alternatives)
-    opening = _literal(fmt.start + fmt.each_open + '{"name": ')
-    return schemas_grammar(named, f'{opening} ({body}) {_literal("}" + fmt.each_close + fmt.end)}')
+    opening = _literal('{"name": ')
+    return schemas_grammar(named, f'{opening} ({body}) {_literal("}")}')
 
 
 def _literal(text: str) -> str:
@@ -193,129 +178,85 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def marker_at(text: str, start: int = 0) -> int | None:
-    """Where the first family's marker at or after `start` begins."""
-    found = [i for i in (text.find(m, start) for m in MARKERS) if i >= 0]
-    return min(found) if found else None
-
-
-def call_start(text: str) -> int | None:
-    """Where a tool call begins in a reply: a family's marker, or a reply that opens with a JSON object."""
-    at = marker_at(text)
-    if at is not None:
-        return at
-    body = text.lstrip()
-    return len(text) - len(body) if body.startswith("{") else None
-
-
-def split_calls(text: str, spec: ToolSpec) -> tuple[str, tuple[ToolCall, ...]]:
-    """(the text before the calls, the calls) of a whole reply; a reply whose call region does not parse
-    as calls to the offered tools is all text."""
-    at = call_start(text) if spec.parses else None
-    if at is None:
+def split_calls(text: str, spec: ToolSpec | None, family: Family) -> tuple[str, tuple[ToolCall, ...]]:
+    """(the content, the calls) of a whole reply (its reasoning already set apart), read in the family's
+    format. Calls are read only where the request offers tools and lets them be called; a reply whose calls do
+    not all name an offered tool with arguments its schema validates is all text: an unconstrained reply may
+    name a tool with arguments the tool cannot take."""
+    tools = {t.name: t for t in spec.tools} if spec is not None else {}
+    parsed = family.parse(text, tuple(tools))
+    if not parsed.calls:
+        return parsed.content, ()
+    calls = [_checked(c, tools) for c in parsed.calls] if spec is not None and spec.parses else [None]
+    if None in calls:
         return text, ()
-    calls = _parse_calls(text[at:], {t.name: t for t in spec.tools})
-    if not calls:
-        return text, ()
-    return text[:at], calls if spec.parallel else calls[:1]
+    found = tuple(c for c in calls if c is not None)
+    return parsed.content, found if spec is None or spec.parallel else found[:1]
 
 
-def _parse_calls(region: str, tools: dict[str, Tool]) -> tuple[ToolCall, ...]:
-    decoder = json.JSONDecoder()
-    calls: list[ToolCall] = []
-    pos = 0
-    while (pos := _skip(region, pos)) < len(region):
-        if region[pos] != "{":
-            return ()
-        try:
-            obj, end = decoder.raw_decode(region, pos)
-        except ValueError:
-            return ()
-        call = _call(obj, region[pos:end], tools)
-        if call is None:
-            return ()
-        calls.append(call)
-        pos = end
-    return tuple(calls)
-
-
-def _skip(region: str, pos: int) -> int:
-    while True:
-        while pos < len(region) and region[pos].isspace():
-            pos += 1
-        skipped = next((s for s in SKIPPED if region.startswith(s, pos)), None)
-        if skipped is None:
-            return pos
-        pos += len(skipped)
-
-
-def _call(obj: object, raw: str, tools: dict[str, Tool]) -> ToolCall | None:
-    """A call from one JSON object, when its arguments validate against the tool's schema (an unconstrained
-    reply may name a tool with arguments the tool cannot take: that is text, not a call). The arguments are
-    kept as the model wrote them, trailing spaces included."""
+def _checked(call: ParsedCall, tools: dict[str, Tool]) -> ToolCall | None:
     import jsonschema
 
-    if not isinstance(obj, dict) or obj.get("name") not in tools:
+    if call.name not in tools:
         return None
-    given = obj.get("arguments", obj.get("parameters"))
     try:
-        args = json.loads(given) if isinstance(given, str) else given
-        jsonschema.validate(args, tools[obj["name"]].parameters)
+        args = json.loads(call.arguments)
+        jsonschema.validate(args, tools[call.name].parameters)
     except (ValueError, jsonschema.ValidationError):
         return None
     if not isinstance(args, dict):  # a schema may leave `type` out
         return None
-    return ToolCall(new_call_id(), obj["name"], given if isinstance(given, str) else _raw_arguments(raw, args))
-
-
-def _raw_arguments(raw: str, args: dict) -> str:
-    """The arguments' text as the model wrote them (trailing spaces included); re-encoded if not found."""
-    m = ARGS_KEY.search(raw)
-    if m:
-        value, end = json.JSONDecoder().raw_decode(raw, m.end())
-        if value == args:
-            return raw[m.end():-1] if raw[end:].strip() == "}" else raw[m.end():end]
-    return json.dumps(args, ensure_ascii=False)
+    return ToolCall(call.id or new_call_id(), call.name, call.arguments)
 
 
 class CallStream:
-    """A streamed reply split into text to show now and calls found at the end. Text that may begin a call
-    (a marker's first characters, or leading spaces before a `{`) is held back, so no client sees part of one."""
+    """A streamed reply split into text to show now and, at the end, the rest of its content and its calls.
+    Text from where the family writes something other than content (a call's marker, or its first characters;
+    a reply that opens with `{` where bare JSON is a call) is held back, so no client sees part of one."""
 
-    def __init__(self, spec: ToolSpec) -> None:
+    def __init__(self, spec: ToolSpec | None, family: Family) -> None:
         self.spec = spec
+        self.family = family
         self.text = ""
         self._shown = 0
-        self._calling = False
+        self._holding = False
+        self._longest = max(map(len, family.markers), default=0)
 
     def feed(self, piece: str) -> str:
         self.text += piece
-        if self._calling or not self.spec.parses:
-            return "" if self._calling else self._show(len(self.text))
-        if self._shown == 0:  # nothing shown yet: the text is short (spaces, the start of a marker)
-            at = call_start(self.text)
-            if at is None and not self.text.strip():
+        if self._holding:
+            return ""
+        at = self._marker_at(max(0, self._shown - self._longest + 1))
+        if self._shown == 0 and self.family.bare_json and self.spec is not None and self.spec.parses:
+            body = self.text.lstrip()  # nothing shown yet: the reply may open with a call
+            if not body:
                 return ""
-        else:  # text was shown, so the reply did not open with "{": only a marker not yet shown can start a call
-            at = marker_at(self.text, max(0, self._shown - LONGEST_MARKER + 1))
+            if body.startswith("{"):
+                at = len(self.text) - len(body)
         if at is not None:
-            self._calling = True
+            self._holding = True
             return self._show(at)
-        return self._show(len(self.text) - _held(self.text))
+        return self._show(len(self.text) - self._held())
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """(the text not yet shown, the calls)."""
-        content, calls = split_calls(self.text, self.spec)
-        if not calls:
+        """(the content not yet shown, the calls)."""
+        content, calls = split_calls(self.text, self.spec, self.family)
+        shown = self.text[:self._shown]
+        if not content.startswith(shown):
             return self._show(len(self.text)), ()
-        return self._show(len(content)), calls
+        self._shown = len(self.text)
+        return content[len(shown):], calls
+
+    def _marker_at(self, start: int) -> int | None:
+        found = [i for i in (self.text.find(m, start) for m in self.family.markers) if i >= 0]
+        return min(found) if found else None
 
     def _show(self, upto: int) -> str:
         out = self.text[self._shown:upto]
         self._shown = max(self._shown, upto)
         return out
 
-
-def _held(text: str) -> int:
-    """How many trailing characters might begin a marker."""
-    return max((n for m in MARKERS for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
+    def _held(self) -> int:
+        """How many trailing characters might begin a marker."""
+        return max((n for m in self.family.markers for n in range(1, len(m)) if self.text.endswith(m[:n])),
+                   default=0)

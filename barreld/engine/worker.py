@@ -29,6 +29,7 @@ import numpy as np
 
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError, BatchItem
+from barreld.engine.callformats import family_of
 from barreld.engine.chat import Message
 from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
@@ -49,7 +50,7 @@ from barreld.engine.sampler import Sampler, logprobs
 from barreld.engine.sampling import SamplingParams
 from barreld.engine.sequence import Sequence
 from barreld.engine.stops import StopScanner
-from barreld.engine.tools import forced_grammar, format_of
+from barreld.engine.tools import forced_grammar
 from barreld.engine.warmstart import WarmStart, WarmStarts
 from barreld.errors import BarrelError, ContextLengthExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from barreld.names import FinishReason, SaveReason
@@ -109,8 +110,10 @@ class ModelWorker:
         client's to choose, and a slow one must not stall the model's thread for everyone else."""
         turn_ends = self.turn_ends if params.messages or params.chat else ()
         r = self._rendered(params)
-        params = dataclasses.replace(params, prompt=r.text, messages=(), chat=False, message_ends=r.ends,
-                                     opening=r.opening, sampling=self._tool_sampling(params), turn_ends=turn_ends)
+        cut = r.call.cut if r.call is not None else None  # a forced call starts where the next turn departs
+        params = dataclasses.replace(params, prompt=r.text[:cut], messages=(), chat=False,
+                                     message_ends=tuple(e for e in r.ends if cut is None or e <= cut),
+                                     opening=r.opening, sampling=self._tool_sampling(params, r), turn_ends=turn_ends)
         with self._cond:
             if self._stopping:
                 raise Unavailable(f"model {self.name} is shutting down; retry once it is loaded again")
@@ -282,23 +285,27 @@ class ModelWorker:
         if not messages:
             return chat.Rendering(p.prompt)
         be, conversation = self.backend, shape and bool(p.messages)
+        template = p.chat_template or be.chat_template
+        family = family_of(template)
+        forced = shape and p.tools is not None and p.tools.forced
         return chat.render_conversation(
-            p.chat_template or be.chat_template, messages, ends=conversation and self.cache.snapshots_boundaries,
-            opening=conversation and self.cache.memory.cuts_states, bos=be.bos_text, eos=be.eos_text,
-            model=self.name, tools=p.tools)
+            template, messages, ends=conversation and self.cache.snapshots_boundaries,
+            opening=conversation and self.cache.memory.cuts_states, call_end=family.call_end if forced else None,
+            think=family.think, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
 
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
         vocabulary, so it runs on the caller's thread beside the model's."""
         return len(self.backend.tokenize(self.render(params)))
 
-    def _tool_sampling(self, p: CompletionParams) -> SamplingParams:
-        """The request's sampling, with a forced tool call's grammar written for this model's template."""
+    def _tool_sampling(self, p: CompletionParams, rendering: chat.Rendering) -> SamplingParams:
+        """The request's sampling, with a forced tool call's grammar written in the bytes the template writes
+        the call back in."""
         if p.tools is None or not p.tools.forced:
             return p.sampling
         if p.sampling.grammar:
             raise InvalidArgument("a forced tool call cannot be combined with a grammar or response_format")
-        grammar = forced_grammar(p.tools, format_of(p.chat_template or self.backend.chat_template))
+        grammar = forced_grammar(p.tools, rendering.call, rendering.text)
         check_gbnf(grammar)
         return dataclasses.replace(p.sampling, grammar=grammar)
 

@@ -15,12 +15,12 @@ import grpc
 
 import barreld
 from barreld.cache.key import Namespace
+from barreld.engine.callformats import family_of
 from barreld.engine.chat import messages_from
 from barreld.engine.registry import LoadedModel, LoadOptions, ModelRegistry
 from barreld.engine.reply import Finish, TextDelta
 from barreld.engine.request import Alternative, Started, TokenLogprob
 from barreld.engine.sampling import KNOBS, SamplingParams
-from barreld.engine.tools import format_of
 from barreld.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from barreld.names import DEFAULT_TENANT, REDIS_TIER, TIER_NAMES, Fingerprint, tenant_label
 from barreld.rpc import barrel_pb2 as pb
@@ -144,7 +144,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         prefill_chunk=m.memory.chunk,
         aliases=list(m.options.aliases),
         stop=list(m.options.stop),
-        tool_format=format_of(m.worker.backend.chat_template).name,
+        tool_format=family_of(m.worker.backend.chat_template).name,
         exact_reuse=pb.ExactReuse(**m.exact_reuse.as_dict(m.memory.chunk)),
     )
 

@@ -18,8 +18,8 @@ from barreld.engine.chat import Message
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.grammar import JSON_OBJECT, schema_grammar
 from barreld.engine.registry import LoadedModel, ModelRegistry
-from barreld.engine.reply import Echo, Finish, ReplyEvent, ReplyReader, sets_reasoning_apart
-from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed
+from barreld.engine.reply import Echo, Finish, ReplyEvent, ReplyReader, reply_family
+from barreld.engine.request import DEFAULT_MAX_TOKENS, CompletionParams, Done, Event, Failed, Started
 from barreld.engine.sampling import SamplingParams, check_logprobs
 from barreld.engine.tools import ToolSpec
 from barreld.errors import BarrelError, FailedPrecondition, InvalidArgument
@@ -189,9 +189,8 @@ class Call:
         self.metrics = metrics
         self.api = api
         self.finish: Finish | None = None
-        template = params.chat_template or model.worker.backend.chat_template
-        reasons = sets_reasoning_apart(template) and bool(params.messages or params.chat)
-        self.reader = ReplyReader(params, reasons, echo)
+        family = reply_family(params.chat_template or model.worker.backend.chat_template, params)
+        self.reader = ReplyReader(params, family, echo)
         self._ready: list[ReplyEvent] = []
         self.request = model.worker.submit(params, None if deliver is None else _Handoff(self, deliver))
 
@@ -201,6 +200,8 @@ class Call:
             if self.metrics is not None:
                 self.metrics.failed(self.api, self.model.name)
             return [ev.error]
+        if isinstance(ev, Started):
+            return list(self.reader.read(ev, self.request.params.prompt))
         if not isinstance(ev, Done):
             return list(self.reader.read(ev))
         if self.metrics is not None:

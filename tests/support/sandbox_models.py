@@ -220,3 +220,17 @@ def _lfm2(spec: TinySpec, w, rng: np.random.Generator) -> dict[str, np.ndarray]:
             out[p + "attn_q_norm.weight"] = _ones(head_dim)
             out[p + "attn_k_norm.weight"] = _ones(head_dim)
     return out
+
+
+def templated_path(template: Path) -> Path:
+    """The bundled SmolLM2 with `template` as its chat template, as a user would make it: gguf-new-metadata
+    --chat-template-file (the `gguf` package's tool) writes the copy; made once per template's contents."""
+    import subprocess
+    import sys
+
+    digest = hashlib.sha256(template.read_bytes()).hexdigest()[:12]
+    tool = Path(sys.executable).with_name("gguf-new-metadata")
+    target = cache_dir() / f"smollm2-{template.stem}-{digest}.gguf"
+    return _made_once(target, lambda temp: subprocess.run(
+        [str(tool), "--chat-template-file", str(template), str(bundled_model_path("smollm2")), str(temp)],
+        check=True, capture_output=True))

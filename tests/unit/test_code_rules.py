@@ -147,7 +147,9 @@ LAYERS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
 CLIENT_PIECES = frozenset({
     "barreld", "barreld.rpc.barrel_pb2", "barreld.rpc.barrel_pb2_grpc", "barreld.names", "barreld.errors",
     "barreld.sizes", "barreld.paths", "barreld.deaths", "barreld.engine.chat", "barreld.engine.tools",
-    "barreld.engine.divergence", "barreld.engine.sampling", "barreld.engine.grammar",
+    "barreld.engine.divergence", "barreld.engine.sampling", "barreld.engine.grammar", "barreld.engine.calllayout",
+    "barreld.engine.callformats", *(f"barreld.engine.callformats.{p.stem}"
+                                    for p in (ROOT / "barreld" / "engine" / "callformats").glob("*.py")),
 })  # fmt: skip
 # Libraries that belong to one layer: the cache core imports neither llama.cpp nor gRPC, the shared front-end
 # code neither gRPC nor the web stack.
@@ -330,7 +332,7 @@ HTTP_APIS = {"openai": ("barreld.http.openai",), "anthropic": ("barreld.http.ant
              "responses": ("barreld.http.responses", "barreld.http.response_store")}
 FRONT_ENDS = ("barreld.http", "barreld.server")
 # What reads a reply for tool calls or renders a conversation: the engine's, used by the call (service.calls).
-REPLY_READING = {"barreld.engine.tools": {"CallStream", "split_calls", "call_start", "marker_at"},
+REPLY_READING = {"barreld.engine.tools": {"CallStream", "split_calls"},
                  "barreld.engine.chat": {"render", "render_conversation"},
                  "barreld.engine.reply": {"ReplyReader", "keeps_prefix"}}
 

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from barreld.engine.callformats import GENERIC
 from barreld.engine.chat import render
 from barreld.engine.reply import Echo, Finish, ReplyReader, resent
 from barreld.engine.request import CompletionParams, Done, Token
@@ -29,7 +30,7 @@ def rendered(p: CompletionParams) -> bytes:
 
 
 def finish(params: CompletionParams, reply: str, echo: Echo) -> Finish:
-    reader = ReplyReader(params, reasons=False, echo=echo)
+    reader = ReplyReader(params, GENERIC, echo=echo)
     reader.read(Token(reply.encode()))
     done = Done(reply.encode(), "stop", b"k", b"p", None, 10, 5, None)  # type: ignore[arg-type]
     last = reader.finish(done, rendered(params), rendered)[-1]

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from barreld.engine.callformats import GENERIC
+from barreld.engine.callformats.generic import Generic
 from barreld.engine.reply import Finish, ReplyReader
 from barreld.engine.request import CacheReport, Done, Started, Timings, Token
 from barreld.errors import InvalidArgument
@@ -91,11 +93,20 @@ def test_the_oldest_responses_go_first_past_the_quota() -> None:
     assert kept and kept == list(range(10 - len(kept), 10)) and len(kept) < 10
 
 
+class Thinking(Generic):
+    """Calls as JSON objects, reasoning between <think> marks (the Responses route reads whichever the model's)."""
+
+    think = ("<think>", "</think>")
+
+
+THINKING = Thinking()
+
+
 def events(body: dict, pieces: list[str], reason: str = "stop") -> tuple[list[dict], dict]:
     """The stream's events for a reply made of `pieces`, through the real reply reader, and the stored doc."""
     req = parse_responses({"model": "m", "stream": True, **body}, None)
     params = req.call.params(4096)
-    reader = ReplyReader(params, reasons=True)
+    reader = ReplyReader(params, THINKING)
     kept: list[Stored] = []
     reply = ResponseReply(req, MODEL, kept.append)  # type: ignore[arg-type]
     frames = reply.frames(Started(CacheReport(), 10, b"p"))
@@ -148,7 +159,7 @@ def test_a_call_to_a_namespaced_tool_names_its_namespace() -> None:
 
 
 def test_the_finish_holds_what_was_shown() -> None:
-    reader = ReplyReader(parse_responses({"model": "m", "input": "x"}, None).call.params(4096), reasons=False)
+    reader = ReplyReader(parse_responses({"model": "m", "input": "x"}, None).call.params(4096), GENERIC)
     shown = [ev.text for p in ("a", "b\xc3") for ev in reader.read(Token(p.encode("latin-1")))]
     done = Done("ab\xc3".encode("latin-1"), "stop", b"k", b"p", CacheReport(), 1, 2, Timings())
     last = reader.finish(done, b"", lambda p: b"")

@@ -1,7 +1,6 @@
-"""Tool calls on text: each family's format rendered through a template in its style and parsed back, the
-prefix a reply leaves for the next turn, the streamed split that never shows a marker's start, and the
-forced-call grammar that llama.cpp accepts. The generic format is rendered through SmolLM2's own template and
-the README's Gemma 3 one.
+"""Tool calls on text: each family's format read off a real template of llama.cpp's models/templates/ and parsed
+back, the streamed split that never shows a marker's start, and the forced-call grammar that llama.cpp accepts.
+The generic format is rendered through SmolLM2's own template and the README's Gemma 3 one.
 """
 
 from __future__ import annotations
@@ -15,57 +14,22 @@ from pathlib import Path
 import gguf
 import pytest
 
+from barreld.engine.callformats import GENERIC, Family, family_named, family_of
 from barreld.engine.chat import Message, messages_from, render
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.registry import bundled_model_path
-from barreld.engine.tools import (
-    GENERIC,
-    HERMES,
-    LLAMA3,
-    MISTRAL,
-    CallStream,
-    Format,
-    ToolCall,
-    forced_grammar,
-    format_of,
-    split_calls,
-    tool,
-    tool_spec,
-)
+from barreld.engine.tools import GENERIC as GENERIC_TEXT
+from barreld.engine.tools import CallStream, ToolCall, forced_grammar, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
+from tests.support.llama_sources import template
 
 WEATHER = tool("get_weather", "The weather now", {"type": "object", "properties": {"city": {"type": "string"}},
                                                   "required": ["city"]}, "tools[0]")
 SPEC = tool_spec([WEATHER])
 ARGS = '{"city": "Paris"}'
-CALL = ToolCall("call_1", "get_weather", ARGS)
-NL = "{{ '\\n' }}"
-HERMES_TEMPLATE = (  # Qwen 2.5's layout: tools in the system turn, calls in <tool_call> tags
-    "{% if tools %}<|im_start|>system" + NL + "<tools>{% for t in tools %}" + NL + "{{ t | tojson }}{% endfor %}"
-    + NL + "</tools><|im_end|>" + NL + "{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}" + NL + "{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}{% if not loop.first %}" + NL + "{% endif %}<tool_call>" + NL
-    + '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}' + NL
-    + "</tool_call>{% endfor %}<|im_end|>" + NL + "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant" + NL + "{% endif %}"
-)
-LLAMA3_TEMPLATE = (  # Llama 3.1's: JSON calls with "parameters"
-    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>{{ tools | tojson }}<|eot_id|>"
-    "{% endif %}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>" + NL + NL
-    + "{% if m.tool_calls %}{% for c in m.tool_calls %}"
-    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
-    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>" + NL + NL + "{% endif %}"
-)
-MISTRAL_TEMPLATE = (  # Mistral's: [AVAILABLE_TOOLS], [TOOL_CALLS] then a JSON list
-    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
-    "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}{% if not loop.first %}, {% endif %}"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "{% endfor %}]{{ eos_token }}{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
-    "{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
-)
-FAMILIES = [(HERMES_TEMPLATE, HERMES), (LLAMA3_TEMPLATE, LLAMA3), (MISTRAL_TEMPLATE, MISTRAL)]
+CALL = ToolCall("call00001", "get_weather", ARGS)  # nine letters and digits, as Mistral's templates demand
+FAMILIES = {"hermes": "Qwen-Qwen2.5-7B-Instruct.jinja", "llama3": "meta-llama-Llama-3.3-70B-Instruct.jinja",
+            "mistral": "mistralai-Mistral-Nemo-Instruct-2407.jinja"}
 HISTORY = (Message("user", "Weather in Paris?"),)
 
 
@@ -80,18 +44,18 @@ def draw(template: str, messages: tuple[Message, ...]) -> str:
     return render(template, messages, bos="<s>", eos="</s>", model="m", tools=SPEC).decode()
 
 
-@pytest.mark.parametrize(("template", "fmt"), FAMILIES, ids=lambda x: x.name if isinstance(x, Format) else "")
-def test_each_family_gets_the_tools_and_its_reply_renders_back_as_the_prefix_of_the_next_turn(
-    template: str, fmt: Format
-) -> None:
-    assert format_of(template) is fmt
-    prompt = draw(template, HISTORY)
-    assert '"name": "get_weather"' in prompt and '"city"' in prompt  # the template was given the tools
-    reply = fmt.text([CALL])
-    content, calls = split_calls(reply, SPEC)
-    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", ARGS)]
-    answered = (*HISTORY, Message("assistant", "", calls), Message("tool", '{"c": 21}', (), calls[0].id))
-    assert draw(template, answered).startswith(prompt + reply)
+@pytest.mark.parametrize(("family", "file"), FAMILIES.items(), ids=list(FAMILIES))
+def test_each_family_gets_the_tools_and_reads_its_own_calls(family: str, file: str) -> None:
+    text = template(file)
+    assert family_of(text).name == family
+    prompt = draw(text, HISTORY)
+    assert '"get_weather"' in prompt and '"city"' in prompt  # the template was given the tools
+    answered = (*HISTORY, Message("assistant", "", (CALL,)), Message("tool", '{"c": 21}', (), CALL.id))
+    reply = draw(text, answered)[len(prompt):]  # the call as the template writes it, and what follows
+    end = family_of(text).call_end
+    reply = reply[:reply.index(end, reply.index(ARGS) + len(ARGS)) + len(end)]
+    content, calls = split_calls(reply, SPEC, family_of(text))
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
 def dialogue_template() -> str:
@@ -108,11 +72,11 @@ def test_the_generic_format_describes_the_tools_in_the_system_turn_and_renders_a
     template: Callable[[], str], system_turn: str, end: str
 ) -> None:
     text = template()
-    assert format_of(text) is GENERIC
+    assert family_of(text) is GENERIC
     system = (Message("system", "Be brief."), *HISTORY)
     prompt = draw(text, system)
     assert prompt.startswith(system_turn) and json.dumps(WEATHER.parameters) in prompt
-    reply = GENERIC.text([CALL])
+    reply = GENERIC_TEXT.text([CALL])
     assert reply == '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     answered = (*system, Message("assistant", "", (CALL,)), Message("tool", "21", (), CALL.id))
     assert draw(text, answered).startswith(prompt + reply + end)
@@ -120,8 +84,8 @@ def test_the_generic_format_describes_the_tools_in_the_system_turn_and_renders_a
 
 def test_arguments_are_returned_as_the_model_wrote_them() -> None:
     reply = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo" } }\n</tool_call>'
-    content, calls = split_calls(reply, SPEC)
-    assert content == "Checking.\n" and calls[0].arguments == '{"city":"Oslo" } '
+    content, calls = split_calls(reply, SPEC, family_named("hermes"))
+    assert content == "Checking.\n" and calls[0].arguments == '{"city":"Oslo" }'
     assert json.loads(calls[0].arguments) == {"city": "Oslo"}
 
 
@@ -132,37 +96,38 @@ def test_arguments_are_returned_as_the_model_wrote_them() -> None:
     "<tool_call>\n{not json",
 ])
 def test_a_reply_that_is_not_a_valid_call_is_text(reply: str) -> None:
-    assert split_calls(reply, SPEC) == (reply, ())
+    assert split_calls(reply, SPEC, family_named("hermes")) == (reply, ())
 
 
 def test_several_calls_parse_and_parallel_false_keeps_the_first() -> None:
-    reply = MISTRAL.text([CALL, ToolCall("call_2", "get_weather", '{"city": "Rome"}')])
-    assert [c.arguments for c in split_calls(reply, SPEC)[1]] == [ARGS, '{"city": "Rome"}']
+    reply = GENERIC_TEXT.text([CALL, ToolCall("call_2", "get_weather", '{"city": "Rome"}')])
+    assert [c.arguments for c in split_calls(reply, SPEC, GENERIC)[1]] == [ARGS, '{"city": "Rome"}']
     single = tool_spec([WEATHER], parallel=False)
-    assert [c.arguments for c in split_calls(reply, single)[1]] == [ARGS]
+    assert [c.arguments for c in split_calls(reply, single, GENERIC)[1]] == [ARGS]
 
 
 def test_tool_choice_none_parses_nothing() -> None:
-    reply = GENERIC.text([CALL])
-    assert split_calls(reply, tool_spec([WEATHER], "none")) == (reply, ())
+    reply = GENERIC_TEXT.text([CALL])
+    assert split_calls(reply, tool_spec([WEATHER], "none"), GENERIC) == (reply, ())
 
 
-def stream(reply: str, spec: object = SPEC) -> tuple[list[str], str, tuple[ToolCall, ...]]:
-    s = CallStream(spec)
+def stream(reply: str, spec: object = SPEC, family: Family = GENERIC) -> tuple[list[str], str, tuple[ToolCall, ...]]:
+    s = CallStream(spec, family)
     shown = [s.feed(ch) for ch in reply]
     tail, calls = s.finish()
     return shown, tail, calls
 
 
 def test_a_stream_never_shows_the_start_of_a_call_marker() -> None:
-    shown, tail, calls = stream("Let me look.<tool_call>\n" + '{"name": "get_weather", "arguments": ' + ARGS + "}")
+    shown, tail, calls = stream("Let me look.<tool_call>\n" + '{"name": "get_weather", "arguments": ' + ARGS + "}",
+                                family=family_named("hermes"))
     assert "".join(shown) + tail == "Let me look." and not any("<" in s for s in shown)
     assert [c.arguments for c in calls] == [ARGS]
 
 
 def test_a_stream_of_plain_text_shows_it_all_including_a_lone_angle_bracket() -> None:
     text = "  a < b and [x] hold."
-    shown, tail, calls = stream(text)
+    shown, tail, calls = stream(text, family=family_named("hermes"))
     assert "".join(shown) + tail == text and calls == ()
     assert "".join(shown).startswith("  a <")  # held only while it could still begin a marker
 
@@ -172,16 +137,15 @@ def test_a_stream_that_opens_a_json_object_but_is_no_call_is_text_at_the_end() -
     assert "".join(shown) == "" and tail == '{"answer": 42}' and calls == ()
 
 
-@pytest.mark.parametrize("fmt", [GENERIC, HERMES, MISTRAL, LLAMA3], ids=lambda f: f.name)
-def test_the_forced_call_grammar_parses_in_llama_cpp(fmt: Format) -> None:
-    grammar = forced_grammar(tool_spec([WEATHER], "get_weather"), fmt)
-    assert grammar.count("root ::=") == 1 and json.dumps(fmt.start + fmt.each_open + '{"name": ') in grammar
+def test_the_generic_forced_call_grammar_parses_in_llama_cpp() -> None:
+    grammar = forced_grammar(tool_spec([WEATHER], "get_weather"), None, b"")
+    assert grammar.count("root ::=") == 1 and json.dumps('{"name": ') in grammar
     check_gbnf(grammar)
 
 
 def test_a_schema_the_grammar_cannot_enforce_is_held_to_any_object() -> None:
     loose = tool("f", None, {"type": "object", "propertyNames": {"maxLength": 3}}, "tools[0]")
-    assert "tool0 ::= object" in forced_grammar(tool_spec([loose], "required"), GENERIC)
+    assert "tool0 ::= object" in forced_grammar(tool_spec([loose], "required"), None, b"")
 
 
 @pytest.mark.parametrize(("make", "says"), [
