@@ -1,20 +1,28 @@
-"""The model families agents run, each on the bundled SmolLM2 rewritten with the family's real chat template (the
-files of llama.cpp's models/templates/, copied in with gguf-new-metadata as a user would), served by one real
-daemon and asked through the real `openai` SDK for a required and a named call, streamed and not.
+"""The model families agents run, each on the bundled SmolLM2 with the family's real chat template (the files of
+llama.cpp's models/templates/), served by one real daemon and asked through the real `openai` SDK for a required
+and a named call, streamed and not. One model is the bundled file rewritten with gguf-new-metadata, as a user
+would make it, so llama.cpp reads that template from the file; the others name their template in the config
+(`[[models]] chat_template`), which spares a load-time probe per copy of the same weights.
 
 The call must parse into `tool_calls` whose arguments validate, the reply must say `prefix_kept: true` (the
 grammar held it to the bytes the template writes back), and the next turn, with the call and its result
-appended, must restore at least the previous prompt and the call, less one chunk.
+appended, must restore at least the previous prompt and the call, less one chunk, once the reply is settled (a
+reply's tokens were decoded one by one, so they are reused only once settling has prefilled them again).
+
+Mistral Nemo's template moves the system prompt into the last user turn, so no turn of a conversation with one
+keeps the previous turn's prefix: it is asked without one.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import jsonschema
 import pytest
 
+from barreld.engine.registry import bundled_model_path
 from tests.support.llama_sources import template_path
 from tests.support.sandbox import Sandbox
 from tests.support.sandbox_models import templated_path
@@ -54,13 +62,27 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": CITY}},
          {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": NOW}}]
 SCHEMAS = {"get_weather": CITY, "get_time": NOW}
+MOVES_SYSTEM = {"nemo"}
+
+
+def counters(daemon: Daemon) -> dict[str, int]:
+    return daemon.box.ctl("--json", "cache", "stats").json()["counters"]
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}}
+
+
+REWRITTEN = "qwen3coder"  # the model whose GGUF carries the template
+
+
+def model_entry(name: str, file: str) -> str:
+    if name == REWRITTEN:
+        return f'\n[[models]]\nname = "{name}"\npath = "{templated_path(template_path(file))}"\nn_ctx = 4096\n'
+    return (f'\n[[models]]\nname = "{name}"\npath = "{bundled_model_path("smollm2")}"\n'
+            f'chat_template = "{template_path(file)}"\nn_ctx = 4096\n')
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    models = "".join(f'\n[[models]]\nname = "{name}"\npath = "{templated_path(template_path(file))}"'
-                     f'\nn_ctx = 4096\n' for name, (_, file) in FAMILIES.items())
+    models = "".join(model_entry(name, file) for name, (_, file) in FAMILIES.items())
     with Sandbox.new(models, label="families") as box:
         daemon = Daemon(box)
         box.wait_models(set(FAMILIES), timeout=900)
@@ -102,8 +124,9 @@ def test_each_template_is_read_as_its_family(daemon: Daemon) -> None:
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_a_forced_call_parses_keeps_the_prefix_and_the_next_turn_restores_through_it(
         daemon: Daemon, model: str, choice: str, stream: bool) -> None:
-    messages = [{"role": "system", "content": "You help with the weather and the time."},
-                {"role": "user", "content": f"What is the weather in Oslo? ({choice}, {stream})"}]
+    system = [] if model in MOVES_SYSTEM else [{"role": "system", "content": "You help with the weather and the time."}]
+    messages = [*system, {"role": "user", "content": f"What is the weather in Oslo? ({choice}, {stream})"}]
+    settled = counters(daemon)["settled_tokens"]
     message, barrel, usage = ask(daemon, model, messages, CHOICES[choice], stream)
     calls = message["tool_calls"]
     assert len(calls) == 1, message
@@ -111,6 +134,10 @@ def test_a_forced_call_parses_keeps_the_prefix_and_the_next_turn_restores_throug
     assert name == "get_time" if choice == "named" else name in SCHEMAS
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[name])
     assert barrel["prefix_kept"] is True, (model, message)
+    deadline = time.monotonic() + 60
+    while counters(daemon)["settled_tokens"] - settled < usage.completion_tokens:
+        assert time.monotonic() < deadline, "the reply was not settled"
+        time.sleep(0.1)
     results = [{"role": "tool", "tool_call_id": c["id"], "content": '{"sky": "clear"}'} for c in calls]
     follow = daemon.sdk().chat.completions.create(model=model, messages=[*messages, message, *results],
                                                   tools=TOOLS, max_tokens=2, temperature=0)

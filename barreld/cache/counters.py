@@ -21,6 +21,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "reuse_refused",
     "settled_tokens",
     "opening_tokens",
+    "next_forms",  # replies settled in the form the next turn writes them (a call rewritten, thoughts dropped)
     "boundary_snapshots",
     "lookup_ns",
     "restore_ns",

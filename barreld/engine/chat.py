@@ -118,13 +118,15 @@ def render(
     eos: str,
     model: str,
     tools: ToolSpec | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The conversation rendered by `template`, ending with the cue for the assistant's next turn.
+    """The conversation rendered by `template`, ending with the cue for the assistant's next turn. `options`:
+    the request's own variables for the template (`chat_template_kwargs`: `enable_thinking`, `reasoning_effort`).
 
     No template (a base model) is FailedPrecondition naming the model; a template that fails on these
     messages (many refuse a system role, or turns out of order) is InvalidArgument with its own words.
     """
-    return _Renderer(template, messages, bos=bos, eos=eos, model=model, tools=tools).whole()
+    return _Renderer(template, messages, bos=bos, eos=eos, model=model, tools=tools, options=options).whole()
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ class _Renderer:
     opening of a next turn."""
 
     def __init__(self, template: str | None, messages: tuple[Message, ...], *, bos: str, eos: str, model: str,
-                 tools: ToolSpec | None = None) -> None:
+                 tools: ToolSpec | None = None, options: Mapping[str, Any] | None = None) -> None:
         if not template:
             raise FailedPrecondition(
                 f"model {model} has no chat template; send a plain prompt, or give a template with the request"
@@ -189,7 +191,7 @@ class _Renderer:
         self._source, self._given, self._tools = template, messages, tools
         self._text_arguments = writes_text_arguments(template)
         self.messages = self._messages(messages)
-        self._extra = {"bos_token": bos, "eos_token": eos}
+        self._extra = {**(options or {}), "bos_token": bos, "eos_token": eos}
         if tools is not None and knows_tools(template):
             self._extra["tools"] = template_tools(tools.tools)
 
@@ -254,8 +256,10 @@ def _rendered(template: Any, messages: list[dict], **context: Any) -> bytes:
 
     try:
         text = template.render(messages=messages, **context)
-    except jinja2.TemplateError as exc:
-        raise InvalidArgument(f"the chat template failed: {exc}") from None
+    except InvalidArgument:
+        raise
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise InvalidArgument(f"the chat template failed: {exc}") from None  # its own error on these messages
     return text.encode("utf-8", "replace")
 
 
@@ -292,7 +296,8 @@ def writes_text_arguments(template: str) -> bool:
     turns = (Message("user", _NEXT), Message("assistant", "", (call,)))
     for text in (False, True):
         try:
-            _rendered(compiled(template), template_messages(template, turns, None, text), add_generation_prompt=False)
+            _rendered(compiled(template), template_messages(template, turns, None, text), add_generation_prompt=False,
+                      bos_token="", eos_token="")
             return text
         except InvalidArgument:
             continue

@@ -21,6 +21,8 @@ from barreld.engine.request import CompletionParams, Done, Started, Token, Token
 from barreld.engine.tools import CallStream, ToolCall
 from barreld.names import FinishReason
 
+FOLLOWING = "BarrelNextTurn"  # a stand-in for what follows the reply in the next turn: a result, a message
+
 
 class Echo(StrEnum):
     """How a route's clients send a call of the reply back in the next request's history."""
@@ -96,9 +98,11 @@ class ReplyReader:
         self._note(out)
         return out
 
-    def finish(self, done: Done, prompt: bytes, render: Callable[[CompletionParams], bytes]) -> list[ReplyEvent]:
-        """The last events: text held back until now, then the Finish. A reply that called tools is checked
-        against the conversation it would come back in (`prompt` as the worker rendered it)."""
+    def finish(self, done: Done, prompt: bytes, render: Callable[[CompletionParams], bytes],
+               settle_as: Callable[[bytes], None] | None = None) -> list[ReplyEvent]:
+        """The last events: text held back until now, then the Finish. A reply that called tools, or whose
+        reasoning was set apart, is checked against the conversation it would come back in (`prompt` as the
+        worker rendered it); where that writes the reply otherwise, `settle_as` is given the next turn's form."""
         out = self._text(self._decoder.decode(b"", final=True), b"", ())
         if self._thinking is not None:
             thought, text = self._thinking.flush()
@@ -112,11 +116,14 @@ class ReplyReader:
             out += [TextDelta(tail, b"")] if tail else []
         self._note(out)
         reason = FinishReason.TOOL_CALLS if calls else FinishReason(done.finish_reason)
-        content = "".join(self._shown)
+        content, thought = "".join(self._shown), "".join(self._thought)
         kept = None
-        if calls and self.params.messages:
-            kept = keeps_prefix(render, self.params, prompt + done.text, content, calls, self.echo)
-        return [*out, Finish(reason, content, "".join(self._thought), calls, done, kept)]
+        if (calls or thought) and self.params.messages:
+            after = next_turn(render, self.params, content, calls, self.echo)
+            kept = after.startswith(prompt + done.text) if calls else None
+            if settle_as is not None and after != prompt + done.text:
+                settle_as(after)
+        return [*out, Finish(reason, content, thought, calls, done, kept)]
 
     def _note(self, events: list[ReplyEvent]) -> None:
         """Keeps what was shown and what was reasoning: the Finish holds both whole."""
@@ -139,14 +146,18 @@ class ReplyReader:
         return out
 
 
-def keeps_prefix(render: Callable[[CompletionParams], bytes], params: CompletionParams, generated: bytes,
-                 content: str, calls: tuple[ToolCall, ...], echo: Echo) -> bool:
-    """Whether the reply, sent back in the history as the route's clients send it, renders through the
-    model's template to the bytes it was generated from (`generated`: the prompt, then the reply), so that the
-    next turn restores through it."""
+def next_turn(render: Callable[[CompletionParams], bytes], params: CompletionParams, content: str,
+              calls: tuple[ToolCall, ...], echo: Echo) -> bytes:
+    """The next turn's prompt as far as it is known: the conversation with the reply sent back as the route's
+    clients send it (its content, reasoning left out, and its calls), up to what follows it (the calls'
+    results, or the next user message). What follows matters: a template may write the last assistant turn
+    otherwise than one with turns after it (Qwen3's empty reasoning). The reply's turn keeps its prefix where
+    this starts with the prompt and the reply as generated."""
     turn = Message("assistant", content, tuple(resent(c, echo) for c in calls))
-    after = render(dataclasses.replace(params, messages=(*params.messages, turn)))
-    return after.startswith(generated)
+    after = tuple(Message("tool", FOLLOWING, tool_call_id=c.id) for c in calls) or (Message("user", FOLLOWING),)
+    text = render(dataclasses.replace(params, messages=(*params.messages, turn, *after)))
+    at = text.find(FOLLOWING.encode())
+    return text if at < 0 else text[:at]
 
 
 def resent(call: ToolCall, echo: Echo) -> ToolCall:

@@ -38,6 +38,7 @@ class CompletionParams:
     message_ends: tuple[int, ...] = ()  # byte offsets in the rendered prompt where its messages end
     opening: bytes = b""  # what the template writes between the reply and a next user message (a chat)
     namespace: Namespace = DEFAULT_NAMESPACE  # the tenant (and salt) whose cached states it may reuse
+    template_options: tuple[tuple[str, object], ...] = ()  # the request's variables for the chat template
 
 
 @dataclass

@@ -227,21 +227,24 @@ class CallStream:
         if self._holding:
             return ""
         at = self._marker_at(max(0, self._shown - self._longest + 1))
-        if self._shown == 0 and self.family.bare_json and self.spec is not None and self.spec.parses:
-            body = self.text.lstrip()  # nothing shown yet: the reply may open with a call
-            if not body:
-                return ""
-            if body.startswith("{"):
-                at = len(self.text) - len(body)
+        body = self.text.lstrip()
+        if self._shown == 0 and body.startswith("{") and self.family.bare_json and self.spec is not None \
+                and self.spec.parses:  # nothing shown yet: the reply may open with a call
+            at = len(self.text) - len(body)
         if at is not None:
             self._holding = True
+            if not self.text[self._shown:at].strip() and self._shown == 0:
+                self._shown = at  # only spaces came before the call: not content
             return self._show(at)
         return self._show(len(self.text) - self._held())
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """(the content not yet shown, the calls)."""
+        """(the content not yet shown, the calls). What was shown stands, spaces around it aside (a parser
+        trims the content); a reply whose content does not go on from it is shown whole, as text."""
         content, calls = split_calls(self.text, self.spec, self.family)
         shown = self.text[:self._shown]
+        if not content.startswith(shown):
+            content, shown = content.strip(), shown.strip()
         if not content.startswith(shown):
             return self._show(len(self.text)), ()
         self._shown = len(self.text)
@@ -253,6 +256,8 @@ class CallStream:
 
     def _show(self, upto: int) -> str:
         out = self.text[self._shown:upto]
+        if self._shown == 0 and not out.strip():
+            return ""  # spaces at the start wait: they may come before a call, which they are not content of
         self._shown = max(self._shown, upto)
         return out
 

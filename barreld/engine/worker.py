@@ -96,6 +96,7 @@ class ModelWorker:
         self._active: list[Request] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self._next_forms: list[tuple[Request, bytes]] = []  # replies to settle in another form (`settle_as`)
         self._next_id = 0
         self._shutdown_saved = 0
         self.settling = False  # an idle sequence's reply may still be settled (read by tests)
@@ -137,6 +138,14 @@ class ModelWorker:
         with self._cond:
             self._cond.notify()
 
+    def settle_as(self, req: Request, text: bytes) -> None:
+        """The text a finished request's sequence is to hold for its next turn: the conversation with the reply
+        as the next turn renders it, where the template writes it otherwise than it was generated (a call in
+        other bytes, thoughts left out). Settling then prefills it from where the two part."""
+        with self._cond:
+            self._next_forms.append((req, text))
+            self._cond.notify()
+
     def stop(self, timeout: float | None = None) -> int:
         """Cancels queued and running requests, runs the `shutdown` saves and joins the thread."""
         with self._cond:
@@ -153,7 +162,7 @@ class ModelWorker:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._active):
+                    while not (self._stopping or self._waiting or self._active or self._next_forms):
                         wait = self._settle_wait()
                         if wait == 0.0:
                             break
@@ -164,6 +173,7 @@ class ModelWorker:
                         self._waiting.clear()
                         if not self._active:
                             break
+                self._take_next_forms()
                 self._admit()
                 if self._active:
                     waited = self._tick()
@@ -291,7 +301,8 @@ class ModelWorker:
         return chat.render_conversation(
             template, messages, ends=conversation and self.cache.snapshots_boundaries,
             opening=conversation and self.cache.memory.cuts_states, call_end=family.call_end if forced else None,
-            think=family.think, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools)
+            think=family.think, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools,
+            options=dict(p.template_options))
 
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
@@ -503,6 +514,30 @@ class ModelWorker:
         self.cache.count("opening_tokens", len(tokens))
 
     # ---- settling replies while idle --------------------------------------------------------
+
+    def _take_next_forms(self) -> None:
+        """Gives each sequence whose reply the next turn writes otherwise that form, in place of the reply from
+        where the two part, unevaluated: settling prefills it. Skipped where the sequence no longer holds that
+        reply (another request took it) or the new form's tokens do not render back to it."""
+        with self._cond:
+            forms, self._next_forms = self._next_forms, []
+        for req, text in forms:
+            seq = self.seqs[req.seq]
+            reply = req.params.prompt + req.scanner.text
+            held = bytes(seq.rendered)
+            if not seq.idle or held not in (reply, reply + req.params.opening) or text == held:
+                continue
+            part = next((i for i, (a, b) in enumerate(zip(held, text, strict=False)) if a != b),
+                        min(len(held), len(text)))
+            keep = bisect.bisect_right(seq.offsets, part) - 1
+            tokens = self.backend.tokenize_tail(text[seq.offsets[keep]:])
+            pieces = [self.backend.piece(t) for t in tokens]
+            if b"".join(pieces) != text[seq.offsets[keep]:] or keep + len(tokens) >= self.backend.n_ctx:
+                continue
+            seq.truncate(keep)
+            for token, piece in zip(tokens, pieces, strict=True):
+                seq.append(token, piece, prefilled=False)
+            self.cache.count("next_forms", 1)
 
     def _settle_point(self, seq: Sequence) -> int:
         """Where settling an idle sequence starts: its last exact reuse point before the end of its text, from

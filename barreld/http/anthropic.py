@@ -21,7 +21,7 @@ from barreld.engine.reply import Echo, Finish, ReasoningDelta, ReplyEvent, TextD
 from barreld.engine.request import Started
 from barreld.engine.tools import ToolCall, ToolSpec, tool, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.http.body import Body, cache_salt, sampling, stop_strings, utf8
+from barreld.http.body import Body, cache_salt, sampling, stop_strings, template_options, utf8
 from barreld.http.errors import ApiError
 from barreld.http.report import barrel_doc
 from barreld.service.request import CallRequest
@@ -60,11 +60,19 @@ def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> CallReques
         until_full=True,
         capped=True,
         sampling=sampling(body),
+        constraint=(body.get("grammar", str, "a string of GBNF") or "", None, False),
         stop=stop_strings(body, "stop_sequences"),
         tools=tools_of(body),
         echo=Echo.OBJECT,
         cache_salt=cache_salt(body),
+        template_options=template_options(body, enable_thinking=_thinking(body)),
     )
+
+
+def _thinking(body: Body) -> bool | None:
+    """`thinking` ({type: enabled | adaptive | disabled}) onto the templates' switch; None when not sent."""
+    thinking = body.get("thinking", dict, "an object {type, budget_tokens}")
+    return None if thinking is None else thinking.get("type") != "disabled"
 
 
 def messages_of(body: Body) -> tuple[Message, ...]:

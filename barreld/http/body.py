@@ -37,6 +37,14 @@ def cache_salt(body: Body) -> str:
     return check_cache_salt(body.get("cache_salt", str, "a string") or "")
 
 
+def template_options(body: Body, **switches: object) -> tuple[tuple[str, object], ...]:
+    """The request's variables for the chat template: `chat_template_kwargs`, as llama.cpp's server and vLLM
+    take it (`enable_thinking`, `reasoning_effort`, ...), and the switches a route maps from its own fields
+    (None: not sent), which win over the same names there."""
+    given = body.get("chat_template_kwargs", dict, "an object of chat template variables") or {}
+    return tuple({**given, **{k: v for k, v in switches.items() if v is not None}}.items())
+
+
 def sampling(body: Body) -> SamplingParams:
     """The sampler's settings under OpenAI's names and llama.cpp's server's; absent ones at their defaults."""
     temperature = body.get("temperature", (int, float), "a number")

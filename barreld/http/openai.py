@@ -21,7 +21,7 @@ from barreld.engine.reply import Finish, ReasoningDelta, ReplyEvent, TextDelta
 from barreld.engine.request import Alternative, Started, TokenLogprob
 from barreld.engine.tools import CHOICES, ToolCall, ToolSpec, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, utf8
+from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, template_options, utf8
 from barreld.http.errors import ApiError
 from barreld.http.report import barrel_doc, system_fingerprint
 from barreld.http.streaming import sse_line
@@ -70,6 +70,8 @@ def parse_request(doc: Mapping[str, Any], chat: bool) -> OpenAIRequest:
         parent_key=body.get("parent_key", str, "a string of 64 hex digits") or "",
         tools=_tools(body) if chat else None,
         cache_salt=cache_salt(body),
+        template_options=template_options(body, reasoning_effort=body.get("reasoning_effort", str, "a string"))
+        if chat else (),
     )
     return OpenAIRequest(call, chat, bool(include_usage))
 

@@ -29,7 +29,7 @@ from barreld.engine.reply import Finish, ReasoningDelta, ReplyEvent, TextDelta
 from barreld.engine.request import Started
 from barreld.engine.tools import CHOICES, Tool, ToolCall, tool_spec
 from barreld.errors import InvalidArgument
-from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, utf8
+from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, template_options, utf8
 from barreld.http.errors import ApiError
 from barreld.http.report import barrel_doc
 from barreld.http.response_store import ResponseStore, Stored
@@ -80,12 +80,19 @@ def parse_responses(doc: Mapping[str, Any], previous: Stored | None) -> Response
         parent_key=previous.key if previous else "",
         tools=tool_spec(tools, _tool_choice(body), body.get("parallel_tool_calls", bool, "true or false") is not False),
         cache_salt=cache_salt(body),
+        template_options=template_options(body, reasoning_effort=_effort(body)),
     )
     store = body.get("store", bool, "true or false")
     echo = {name: doc.get(name) for name in ("instructions", "max_output_tokens", "metadata", "temperature",
                                              "top_p", "tool_choice", "tools", "text", "user", "reasoning")}
     return ResponsesRequest(call, store is not False, body.get("previous_response_id", str, "a string"), history,
                             echo, tuple(left_out), namespaces)
+
+
+def _effort(body: Body) -> str | None:
+    """`reasoning.effort` onto the templates' `reasoning_effort` (gpt-oss's)."""
+    reasoning = body.get("reasoning", dict, "an object {effort, summary}")
+    return Body(reasoning).get("effort", str, "a string") if reasoning else None
 
 
 def _input(body: Body) -> tuple[Message, ...]:

@@ -78,6 +78,7 @@ def completion_params(
     tools: ToolSpec | None = None,
     explain: bool = False,
     namespace: Namespace = DEFAULT_NAMESPACE,
+    template_options: tuple[tuple[str, object], ...] = (),
 ) -> CompletionParams:
     """A request's parameters checked against the model's n_ctx; InvalidArgument names the first bad one
     (the sampler's were checked when `sampling` was made)."""
@@ -103,7 +104,28 @@ def completion_params(
         tools=tools,
         explain=explain,
         namespace=namespace,
+        template_options=check_template_options(template_options, bool(messages or chat)),
     )
+
+
+TEMPLATE_OPTIONS_MAX = 4096  # bytes of JSON: a few switches, not a second prompt
+RESERVED_OPTIONS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def check_template_options(options: tuple[tuple[str, object], ...], rendered: bool) -> tuple[tuple[str, object], ...]:
+    """A request's variables for the chat template (`chat_template_kwargs`): names that are not the renderer's
+    own, JSON values, small; only where a conversation is rendered, so a client never believes they applied."""
+    if not options:
+        return ()
+    if not rendered:
+        raise InvalidArgument("chat_template_kwargs apply only to messages or a chat prompt; send one of those")
+    for name, _ in options:
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_OPTIONS:
+            raise InvalidArgument(f"bad chat_template_kwargs name {show(str(name))}: a template variable other "
+                                  f"than {', '.join(sorted(RESERVED_OPTIONS))}")
+    if len(json.dumps(dict(options))) > TEMPLATE_OPTIONS_MAX:
+        raise InvalidArgument(f"chat_template_kwargs is over {TEMPLATE_OPTIONS_MAX} bytes of JSON")
+    return options
 
 
 CACHE_SALT_MAX = 256
@@ -207,7 +229,9 @@ class Call:
         if self.metrics is not None:
             self.metrics.finished(self.api, self.model.name, ev, self.request.params.namespace.tenant)
         log_done(self.api, self.model.name, ev)
-        out = self.reader.finish(ev, self.request.params.prompt, self.model.worker.render)
+        worker = self.model.worker
+        out = self.reader.finish(ev, self.request.params.prompt, worker.render,
+                                 lambda text: worker.settle_as(self.request, text))
         self.finish = out[-1]  # type: ignore[assignment]
         return list(out)
 

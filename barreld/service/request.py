@@ -38,6 +38,7 @@ class CallRequest:
     explain: bool = False  # look up only: report what would be restored
     cache_salt: str = ""  # separates the caller's requests further within its tenant (vLLM's name)
     namespace: Namespace = DEFAULT_NAMESPACE  # the tenant and salt, set once the caller is known
+    template_options: tuple[tuple[str, object], ...] = ()  # variables for the chat template (enable_thinking, ...)
 
     def params(self, n_ctx: int) -> CompletionParams:
         """The worker's parameters, checked against the model's n_ctx. A grammar is parsed here, on the call's
@@ -56,6 +57,7 @@ class CallRequest:
             tools=self.tools,
             explain=self.explain,
             namespace=self.namespace,
+            template_options=self.template_options,
         )
 
     def _max_tokens(self, n_ctx: int) -> int | None:

@@ -46,6 +46,7 @@ TEMPLATES = {
     "NVIDIA-Nemotron-Nano-v2.jinja": "nemotron",
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "nemotron3",
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": "command_r7b",
+    "meetkai-functionary-medium-v3.2.jinja": "functionary_v3_2",
 }
 
 

@@ -334,7 +334,7 @@ FRONT_ENDS = ("barreld.http", "barreld.server")
 # What reads a reply for tool calls or renders a conversation: the engine's, used by the call (service.calls).
 REPLY_READING = {"barreld.engine.tools": {"CallStream", "split_calls"},
                  "barreld.engine.chat": {"render", "render_conversation"},
-                 "barreld.engine.reply": {"ReplyReader", "keeps_prefix"}}
+                 "barreld.engine.reply": {"ReplyReader", "next_turn"}}
 
 
 def _imported_names(path: Path) -> list[tuple[int, str, str]]:

@@ -22,6 +22,7 @@ class Llama3(CallFamily):
     label = "Llama 3.x"
     priority = 40
     markers = (PYTHON_TAG,)
+    bare_json = True
 
     def detects(self, template: str) -> bool:
         return 'Respond in the format {"name": function name, "parameters"' in template
