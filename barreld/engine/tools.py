@@ -224,6 +224,7 @@ class CallStream:
 
     def feed(self, piece: str) -> str:
         self.text += piece
+        self._holding = self._holding or self.family.recipient_first
         if self._holding:
             return ""
         at = self._marker_at(max(0, self._shown - self._longest + 1))

@@ -516,28 +516,28 @@ class ModelWorker:
     # ---- settling replies while idle --------------------------------------------------------
 
     def _take_next_forms(self) -> None:
-        """Gives each sequence whose reply the next turn writes otherwise that form, in place of the reply from
-        where the two part, unevaluated: settling prefills it. Skipped where the sequence no longer holds that
-        reply (another request took it) or the new form's tokens do not render back to it."""
+        """Gives each sequence whose reply the next turn writes otherwise that form, read as the next turn's
+        prompt will be read, in place of its tokens from the first that differs (a call in other bytes, thoughts
+        left out, or only a token that spans the prompt's end), unevaluated: settling prefills them. Skipped
+        where the sequence no longer holds that reply (another request took it) or the form does not fit."""
         with self._cond:
             forms, self._next_forms = self._next_forms, []
         for req, text in forms:
             seq = self.seqs[req.seq]
             reply = req.params.prompt + req.scanner.text
-            held = bytes(seq.rendered)
-            if not seq.idle or held not in (reply, reply + req.params.opening) or text == held:
+            if not seq.idle or bytes(seq.rendered) not in (reply, reply + req.params.opening):
                 continue
-            part = next((i for i, (a, b) in enumerate(zip(held, text, strict=False)) if a != b),
-                        min(len(held), len(text)))
-            keep = bisect.bisect_right(seq.offsets, part) - 1
-            tokens = self.backend.tokenize_tail(text[seq.offsets[keep]:])
-            pieces = [self.backend.piece(t) for t in tokens]
-            if b"".join(pieces) != text[seq.offsets[keep]:] or keep + len(tokens) >= self.backend.n_ctx:
+            tokens = self.backend.tokenize(text)
+            same = next((i for i, (a, b) in enumerate(zip(seq.tokens, tokens, strict=False)) if a != b),
+                        min(len(seq.tokens), len(tokens)))
+            pieces = [self.backend.piece(t) for t in tokens[same:]]
+            if bytes(seq.rendered[:seq.offsets[same]]) + b"".join(pieces) != text or len(tokens) >= self.backend.n_ctx:
                 continue
-            seq.truncate(keep)
-            for token, piece in zip(tokens, pieces, strict=True):
+            if same < len(seq.tokens):
+                self.cache.count("next_forms", 1)  # not only more text: some of the reply's tokens are replaced
+            seq.truncate(same)
+            for token, piece in zip(tokens[same:], pieces, strict=True):
                 seq.append(token, piece, prefilled=False)
-            self.cache.count("next_forms", 1)
 
     def _settle_point(self, seq: Sequence) -> int:
         """Where settling an idle sequence starts: its last exact reuse point before the end of its text, from

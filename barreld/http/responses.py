@@ -75,7 +75,7 @@ def parse_responses(doc: Mapping[str, Any], previous: Stored | None) -> Response
         until_full=True,
         capped=True,
         sampling=sampling(body),
-        constraint=("", schema, json_object),
+        constraint=(body.get("grammar", str, "a string of GBNF") or "", schema, json_object),
         stop=stop_strings(body),
         parent_key=previous.key if previous else "",
         tools=tool_spec(tools, _tool_choice(body), body.get("parallel_tool_calls", bool, "true or false") is not False),

@@ -11,13 +11,6 @@ from barreld.engine.callformats.base import Family, Parsed, ParsedCall, split_re
 Calls = tuple[tuple[ParsedCall, ...], int]  # the calls of a block and where the block ends
 
 
-def skip_space(text: str, pos: int) -> int:
-    """The first position from `pos` that is not whitespace."""
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
 def offered(name: str, tools: Collection[str]) -> bool:
     """Whether a call may name `name`: any name when no tool is named, so a reply is read the same either way."""
     return not tools or name in tools

@@ -7,8 +7,8 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from barreld.engine.callformats._a_calls import CallFamily, Calls, offered, skip_space
-from barreld.engine.callformats.base import ParsedCall, raw_json_at
+from barreld.engine.callformats._a_calls import CallFamily, Calls, offered
+from barreld.engine.callformats.base import ParsedCall, raw_json_at, skip_space
 
 
 @dataclass(frozen=True)

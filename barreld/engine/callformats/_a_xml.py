@@ -15,12 +15,11 @@ another type). So a string parameter whose value is, say, "12" reads as the numb
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
 
-from barreld.engine.callformats._a_calls import CallFamily, Calls, offered, skip_space
-from barreld.engine.callformats.base import ParsedCall, dumps, split_reasoning
+from barreld.engine.callformats._a_calls import CallFamily, Calls, offered
+from barreld.engine.callformats.base import ParsedCall, dumps, skip_space, split_reasoning, tagged_value
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=([^>\n]+)>")
@@ -28,18 +27,9 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
 PARAMETER_END, FUNCTION_END = "</parameter>", "</function>"
 
 
-def _no_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
 def value_of(text: str) -> object:
     """A parameter's value from the text between its tags, less the newline the layout puts at each end."""
-    text = text.removeprefix("\n").removesuffix("\n")
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except ValueError:
-        return text
-    return text if isinstance(value, str) else value
+    return tagged_value(text.removeprefix("\n").removesuffix("\n"))
 
 
 def xml_call(text: str, pos: int, tools: Collection[str]) -> Calls | None:

@@ -4,11 +4,18 @@ every family treats the text around its calls, unoffered names and unreadable re
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Collection, Iterable
 
-from barreld.engine.callformats.base import Family, Parsed, ParsedCall, dumps, raw_json_at, split_reasoning
+from barreld.engine.callformats.base import (
+    Family,
+    Parsed,
+    ParsedCall,
+    dumps,
+    raw_json_at,
+    skip_space,
+    split_reasoning,
+)
 
 
 def first_of(text: str, marks: Iterable[str]) -> int:
@@ -17,28 +24,10 @@ def first_of(text: str, marks: Iterable[str]) -> int:
     return min(found, default=-1)
 
 
-def skip_space(text: str, pos: int) -> int:
-    """The first position from `pos` that is not whitespace."""
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
 def whole_json(text: str) -> str | None:
     """The JSON object that is all of `text`, whitespace aside, as written; None when `text` is anything else."""
     found = raw_json_at(text, 0)
     return found[0] if found and not text[found[1]:].strip() else None
-
-
-def tagged_value(text: str) -> object:
-    """An argument the model wrote as bare text between tags: a number, boolean, null, list or object where the
-    text is one in JSON (the templates write non-string values with `tojson`), else the text itself, since
-    string values are written unquoted. Without the tools' schemas a string such as "12" reads as a number."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return text if isinstance(value, str) else value
 
 
 def run(pattern: re.Pattern[str], text: str, pos: int = 0) -> tuple[list[re.Match[str]], int]:

@@ -4,8 +4,8 @@ generations differ only in what stands either side of the separator, which each 
 
 from __future__ import annotations
 
-from barreld.engine.callformats._b_common import RegionFamily, skip_space
-from barreld.engine.callformats.base import ParsedCall
+from barreld.engine.callformats._b_common import RegionFamily
+from barreld.engine.callformats.base import ParsedCall, skip_space
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

@@ -29,7 +29,9 @@ class Family:
     `priority` orders detection (lower first), so a family whose markers another's template also holds is
     tried before it. `markers`: text that opens a call region (a stream holds text back from the first of
     them). `call_end`: the text that closes a call region, where a forced call ends (empty: right after its
-    arguments). `think`: the opening and closing marks of the reasoning, or None."""
+    arguments). `think`: the opening and closing marks of the reasoning, or None. `bare_json`: a reply that
+    opens with a JSON object is a call (the generic format, Llama 3's). `recipient_first`: every reply opens by
+    naming whom it is for, a tool or the user (Functionary's), so a stream holds it back whole."""
 
     name = "generic"
     label = "generic JSON object"
@@ -38,6 +40,7 @@ class Family:
     call_end = "}"
     think: tuple[str, str] | None = None
     bare_json = False
+    recipient_first = False
 
     def detects(self, template: str) -> bool:
         """Whether `template` (a chat template's source) is this family's."""
@@ -68,6 +71,29 @@ def split_reasoning(text: str, think: tuple[str, str] | None, reasoning_open: bo
     if end < 0:
         return body.strip(), ""
     return body[:end].strip(), body[end + len(closing):].lstrip()
+
+
+def skip_space(text: str, pos: int) -> int:
+    """The first position from `pos` that is not whitespace."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def tagged_value(text: str) -> object:
+    """An argument the model wrote as bare text between tags: a number, boolean, null, list or object where the
+    text is one in JSON (the templates write non-string values with `tojson`), else the text itself, since
+    string values are written unquoted. Without the tools' schemas a string such as "12" reads as a number;
+    NaN and Infinity, which are not JSON, stay text."""
+    try:
+        value = json.loads(text, parse_constant=_not_json)
+    except ValueError:
+        return text
+    return text if isinstance(value, str) else value
+
+
+def _not_json(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 def dumps(value: object) -> str:

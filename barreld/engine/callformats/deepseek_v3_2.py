@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from barreld.engine.callformats._b_common import RegionFamily, block_calls, tagged_value
-from barreld.engine.callformats.base import ParsedCall
+from barreld.engine.callformats._b_common import RegionFamily, block_calls
+from barreld.engine.callformats.base import ParsedCall, tagged_value
 
 DSML = "｜DSML｜"
 BLOCK = re.compile(rf"<{DSML}(function_calls|tool_calls)>(?P<calls>.*?)(?:</{DSML}\1>|\Z)", re.S)

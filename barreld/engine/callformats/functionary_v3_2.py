@@ -20,6 +20,7 @@ class FunctionaryV32(Family):
     priority = 30
     markers = (SEPARATOR,)
     call_end = ""
+    recipient_first = True
 
     def detects(self, template: str) -> bool:
         return ">>>all" in template and ">>>${recipient}" in template

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from barreld.engine.callformats._b_common import RegionFamily, invoke_calls, run, tagged_value
-from barreld.engine.callformats.base import ParsedCall
+from barreld.engine.callformats._b_common import RegionFamily, invoke_calls, run
+from barreld.engine.callformats.base import ParsedCall, tagged_value
 
 CALL = re.compile(r"<tool_call>\s*([^\s<]+)(.*?)</tool_call>", re.S)
 ARGUMENT = re.compile(r"<arg_key>\s*(.*?)\s*</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)

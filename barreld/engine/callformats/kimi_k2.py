@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from barreld.engine.callformats._b_common import RegionFamily, skip_space
-from barreld.engine.callformats.base import ParsedCall, raw_json_at
+from barreld.engine.callformats._b_common import RegionFamily
+from barreld.engine.callformats.base import ParsedCall, raw_json_at, skip_space
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"

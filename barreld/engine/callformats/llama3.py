@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from barreld.engine.callformats._a_calls import CallFamily, Calls, offered, skip_space
+from barreld.engine.callformats._a_calls import CallFamily, Calls, offered
 from barreld.engine.callformats._a_json import json_calls
-from barreld.engine.callformats.base import ParsedCall, dumps, json_value_at
+from barreld.engine.callformats.base import ParsedCall, dumps, json_value_at, skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 BUILTIN = re.compile(r"([A-Za-z_]\w*)\.call\(")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from barreld.engine.callformats._b_common import RegionFamily, block_calls, tagged_value
-from barreld.engine.callformats.base import ParsedCall
+from barreld.engine.callformats._b_common import RegionFamily, block_calls
+from barreld.engine.callformats.base import ParsedCall, tagged_value
 
 BLOCK = re.compile(r"<minimax:tool_call>(?P<calls>.*?)(?:</minimax:tool_call>|\Z)", re.S)
 INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from barreld.engine.callformats._b_common import RegionFamily, skip_space, whole_json
-from barreld.engine.callformats.base import ParsedCall, json_value_at
+from barreld.engine.callformats._b_common import RegionFamily, whole_json
+from barreld.engine.callformats.base import ParsedCall, json_value_at, skip_space
 
 MARKER = "[TOOL_CALLS]"
 

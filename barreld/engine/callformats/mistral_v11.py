@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from barreld.engine.callformats._b_common import RegionFamily, skip_space
-from barreld.engine.callformats.base import ParsedCall, raw_json_at
+from barreld.engine.callformats._b_common import RegionFamily
+from barreld.engine.callformats.base import ParsedCall, raw_json_at, skip_space
 
 MARKER = "[TOOL_CALLS]"
 CALL = re.compile(r"\[TOOL_CALLS\]\s*([^\s\[]+)\s*(?:\[CALL_ID\]\s*([^\s\[]+)\s*)?\[ARGS\]")
