@@ -12,14 +12,14 @@ it, and replies as a cold daemon does; without it, a next turn restores no furth
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support.sandbox import Sandbox
 from tests.test_http import Daemon
-from tests.test_model_families import model_entry
+from tests.test_model_families import counters, model_entry
+from tests.test_model_families import settle as settle_reply
 
 pytestmark = pytest.mark.model
 
@@ -45,17 +45,10 @@ def daemons() -> Iterator[tuple[Daemon, Daemon]]:
         yield pair
 
 
-def counters(daemon: Daemon) -> dict[str, int]:
-    return daemon.box.ctl("--json", "cache", "stats").json()["counters"]
-
-
-def settle(daemon: Daemon, before: dict[str, int], tokens: int) -> None:
-    """Until the reply was taken in its next form and `tokens` more were settled."""
-    deadline = time.monotonic() + 60
-    while (c := counters(daemon))["next_forms"] <= before["next_forms"] or \
-            c["settled_tokens"] - before["settled_tokens"] < tokens:
-        assert time.monotonic() < deadline, "the reply was not settled in its next form"
-        time.sleep(0.1)
+def settle(daemon: Daemon, before: dict[str, int]) -> None:
+    """Until the reply was taken in its next form and settled."""
+    settle_reply(daemon, before["settled_tokens"])
+    assert counters(daemon)["next_forms"] == before["next_forms"] + 1
 
 
 def test_an_auto_call_the_template_rewrites_settles_as_rewritten(daemons: tuple[Daemon, Daemon]) -> None:
@@ -67,7 +60,7 @@ def test_an_auto_call_the_template_rewrites_settles_as_rewritten(daemons: tuple[
     call = r1.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
     assert r1.model_extra["barrel"]["prefix_kept"] is False  # the template writes it back as tojson spaces it
-    settle(warm, before, r1.usage.completion_tokens)
+    settle(warm, before)
     turn2 = [*turn1, r1.choices[0].message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
     r2 = warm.sdk().chat.completions.create(model="qwen25", messages=turn2, tools=TOOLS, max_tokens=8, temperature=0)
@@ -87,7 +80,7 @@ def test_a_reply_whose_thoughts_the_template_drops_settles_without_them(daemons:
                                             extra_body={"grammar": literal(THINKING)})
     message = r1.choices[0].message
     assert (message.model_extra["reasoning_content"].strip(), message.content) == (THOUGHT, ANSWER)
-    settle(warm, before, 4)
+    settle(warm, before)
     turn2 = [*turn1, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "How are you?"}]
     r2 = warm.sdk().chat.completions.create(model="qwen3", messages=turn2, max_tokens=8, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens

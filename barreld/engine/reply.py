@@ -175,6 +175,7 @@ class _Reasoning:
         self._open, self._close = think
         self._seen = ""
         self._state = "start"  # start: before the reply shows whether it thinks; think; text
+        self._trim = False
 
     def opened_by(self, prompt: str) -> None:
         """The prompt ended inside the reasoning: the reply starts in it."""
@@ -184,6 +185,9 @@ class _Reasoning:
     def feed(self, piece: str) -> tuple[str, str]:
         """(reasoning, text) of the next piece; text that may still begin the opening mark or end it is held."""
         if self._state == "text":
+            if self._trim:  # the newlines a template writes after the reasoning are not the answer's
+                piece = piece.lstrip("\n")
+                self._trim = not piece
             return "", piece
         self._seen += piece
         if self._state == "start":
@@ -203,7 +207,7 @@ class _Reasoning:
         end = self._seen.find(self._close)
         if end >= 0:
             thought, rest = self._seen[:end], self._seen[end + len(self._close):].lstrip("\n")
-            self._state, self._seen = "text", ""
+            self._state, self._seen, self._trim = "text", "", not rest
             return thought, rest
         held = max((n for n in range(1, len(self._close)) if self._seen.endswith(self._close[:n])), default=0)
         thought, self._seen = self._seen[:len(self._seen) - held], self._seen[len(self._seen) - held:]

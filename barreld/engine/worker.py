@@ -524,8 +524,9 @@ class ModelWorker:
             forms, self._next_forms = self._next_forms, []
         for req, text in forms:
             seq = self.seqs[req.seq]
-            reply = req.params.prompt + req.scanner.text
-            if not seq.idle or bytes(seq.rendered) not in (reply, reply + req.params.opening):
+            reply, held = req.params.prompt + req.scanner.text, bytes(seq.rendered)
+            # Still this reply, with at most its end-of-generation token or the next turn's opening after it.
+            if not seq.idle or not held.startswith(reply) or len(held) > len(reply) + len(req.params.opening) + 64:
                 continue
             tokens = self.backend.tokenize(text)
             same = next((i for i, (a, b) in enumerate(zip(seq.tokens, tokens, strict=False)) if a != b),
