@@ -83,7 +83,8 @@ class ReplyReader:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         reads = params.tools is not None or family.markers
         self._calls = CallStream(params.tools, family) if reads else None
-        self._thinking = _Reasoning(family.think) if family.think else None
+        self._thinking = _Reasoning(family.think, family.markers if family.calls_end_reasoning else ()) \
+            if family.think else None
         self._shown: list[str] = []
         self._thought: list[str] = []
 
@@ -112,7 +113,8 @@ class ReplyReader:
                 self._calls.feed(text)
         calls: tuple[ToolCall, ...] = ()
         if self._calls is not None:
-            tail, calls = self._calls.finish()
+            tail, calls, thought = self._calls.finish()
+            out += [ReasoningDelta(thought)] if thought else []
             out += [TextDelta(tail, b"")] if tail else []
         self._note(out)
         reason = FinishReason.TOOL_CALLS if calls else FinishReason(done.finish_reason)
@@ -171,8 +173,9 @@ class _Reasoning:
     """Splits a streamed reply that opens with reasoning between `think`'s marks (or with the closing mark alone,
     its prompt having opened it) into its reasoning and the rest."""
 
-    def __init__(self, think: tuple[str, str]) -> None:
+    def __init__(self, think: tuple[str, str], calls: tuple[str, ...] = ()) -> None:
         self._open, self._close = think
+        self._calls = calls  # markers of calls that end an unclosed reasoning: they go on as text
         self._seen = ""
         self._state = "start"  # start: before the reply shows whether it thinks; think; text
         self._trim = False
@@ -205,11 +208,17 @@ class _Reasoning:
 
     def _thought(self) -> tuple[str, str]:
         end = self._seen.find(self._close)
+        call = min((at for at in (self._seen.find(m) for m in self._calls) if at >= 0), default=-1)
+        if call >= 0 and (end < 0 or call < end):
+            thought, rest = self._seen[:call], self._seen[call:]
+            self._state, self._seen = "text", ""
+            return thought, rest
         if end >= 0:
             thought, rest = self._seen[:end], self._seen[end + len(self._close):].lstrip("\n")
             self._state, self._seen, self._trim = "text", "", not rest
             return thought, rest
-        held = max((n for n in range(1, len(self._close)) if self._seen.endswith(self._close[:n])), default=0)
+        held = max((n for m in (self._close, *self._calls) for n in range(1, len(m)) if self._seen.endswith(m[:n])),
+                   default=0)
         thought, self._seen = self._seen[:len(self._seen) - held], self._seen[len(self._seen) - held:]
         return thought, ""
 

@@ -178,20 +178,20 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def split_calls(text: str, spec: ToolSpec | None, family: Family) -> tuple[str, tuple[ToolCall, ...]]:
-    """(the content, the calls) of a whole reply (its reasoning already set apart), read in the family's
-    format. Calls are read only where the request offers tools and lets them be called; a reply whose calls do
-    not all name an offered tool with arguments its schema validates is all text: an unconstrained reply may
-    name a tool with arguments the tool cannot take."""
+def split_calls(text: str, spec: ToolSpec | None, family: Family) -> tuple[str, tuple[ToolCall, ...], str]:
+    """(the content, the calls, any reasoning still in it) of a whole reply (its opening reasoning already set
+    apart), read in the family's format. Calls are read only where the request offers tools and lets them be
+    called; a reply whose calls do not all name an offered tool with arguments its schema validates is all
+    text: an unconstrained reply may name a tool with arguments the tool cannot take."""
     tools = {t.name: t for t in spec.tools} if spec is not None else {}
     parsed = family.parse(text, tuple(tools))
     if not parsed.calls:
-        return parsed.content, ()
+        return parsed.content, (), parsed.reasoning
     calls = [_checked(c, tools) for c in parsed.calls] if spec is not None and spec.parses else [None]
     if None in calls:
-        return text, ()
+        return text, (), ""
     found = tuple(c for c in calls if c is not None)
-    return parsed.content, found if spec is None or spec.parallel else found[:1]
+    return parsed.content, found if spec is None or spec.parallel else found[:1], parsed.reasoning
 
 
 def _checked(call: ParsedCall, tools: dict[str, Tool]) -> ToolCall | None:
@@ -239,17 +239,18 @@ class CallStream:
             return self._show(at)
         return self._show(len(self.text) - self._held())
 
-    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """(the content not yet shown, the calls). What was shown stands, spaces around it aside (a parser
-        trims the content); a reply whose content does not go on from it is shown whole, as text."""
-        content, calls = split_calls(self.text, self.spec, self.family)
+    def finish(self) -> tuple[str, tuple[ToolCall, ...], str]:
+        """(the content not yet shown, the calls, reasoning found in what was held). What was shown stands,
+        spaces around it aside (a parser trims the content); a reply whose content does not go on from it is
+        shown whole, as text."""
+        content, calls, reasoning = split_calls(self.text, self.spec, self.family)
         shown = self.text[:self._shown]
         if not content.startswith(shown):
             content, shown = content.strip(), shown.strip()
         if not content.startswith(shown):
-            return self._show(len(self.text)), ()
+            return self._show(len(self.text)), (), ""
         self._shown = len(self.text)
-        return content[len(shown):], calls
+        return content[len(shown):], calls, reasoning
 
     def _marker_at(self, start: int) -> int | None:
         found = [i for i in (self.text.find(m, start) for m in self.family.markers) if i >= 0]

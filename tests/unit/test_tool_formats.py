@@ -54,7 +54,7 @@ def test_each_family_gets_the_tools_and_reads_its_own_calls(family: str, file: s
     reply = draw(text, answered)[len(prompt):]  # the call as the template writes it, and what follows
     end = family_of(text).call_end
     reply = reply[:reply.index(end, reply.index(ARGS) + len(ARGS)) + len(end)]
-    content, calls = split_calls(reply, SPEC, family_of(text))
+    content, calls, _ = split_calls(reply, SPEC, family_of(text))
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
@@ -84,7 +84,7 @@ def test_the_generic_format_describes_the_tools_in_the_system_turn_and_renders_a
 
 def test_arguments_are_returned_as_the_model_wrote_them() -> None:
     reply = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo" } }\n</tool_call>'
-    content, calls = split_calls(reply, SPEC, family_named("hermes"))
+    content, calls, _ = split_calls(reply, SPEC, family_named("hermes"))
     assert content == "Checking.\n" and calls[0].arguments == '{"city":"Oslo" }'
     assert json.loads(calls[0].arguments) == {"city": "Oslo"}
 
@@ -96,7 +96,7 @@ def test_arguments_are_returned_as_the_model_wrote_them() -> None:
     "<tool_call>\n{not json",
 ])
 def test_a_reply_that_is_not_a_valid_call_is_text(reply: str) -> None:
-    assert split_calls(reply, SPEC, family_named("hermes")) == (reply, ())
+    assert split_calls(reply, SPEC, family_named("hermes")) == (reply, (), "")
 
 
 def test_several_calls_parse_and_parallel_false_keeps_the_first() -> None:
@@ -108,13 +108,13 @@ def test_several_calls_parse_and_parallel_false_keeps_the_first() -> None:
 
 def test_tool_choice_none_parses_nothing() -> None:
     reply = GENERIC_TEXT.text([CALL])
-    assert split_calls(reply, tool_spec([WEATHER], "none"), GENERIC) == (reply, ())
+    assert split_calls(reply, tool_spec([WEATHER], "none"), GENERIC) == (reply, (), "")
 
 
 def stream(reply: str, spec: object = SPEC, family: Family = GENERIC) -> tuple[list[str], str, tuple[ToolCall, ...]]:
     s = CallStream(spec, family)
     shown = [s.feed(ch) for ch in reply]
-    tail, calls = s.finish()
+    tail, calls, _ = s.finish()
     return shown, tail, calls
 
 

@@ -71,8 +71,8 @@ class XmlCalls(CallFamily):
     these templates (the model may start calling without closing its thinking)."""
 
     markers = (OPEN,)
-
     call_end = "</tool_call>"
+    calls_end_reasoning = True
 
     def split(self, text: str, reasoning_open: bool) -> tuple[str, str]:
         cut = text.find(OPEN)

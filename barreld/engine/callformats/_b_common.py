@@ -78,7 +78,6 @@ class RegionFamily(Family):
     `calls_end_reasoning`: the model may call a tool straight from an unclosed reasoning (Kimi, DeepSeek's
     DSML), so a marker ends the reasoning too, as llama.cpp's parsers for those formats read it."""
 
-    calls_end_reasoning = False
 
     def read_calls(self, text: str, start: int) -> tuple[list[ParsedCall], int] | None:
         """The calls of the region starting at `start` and where the region ends; None when it does not read

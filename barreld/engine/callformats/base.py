@@ -31,7 +31,9 @@ class Family:
     them). `call_end`: the text that closes a call region, where a forced call ends (empty: right after its
     arguments). `think`: the opening and closing marks of the reasoning, or None. `bare_json`: a reply that
     opens with a JSON object is a call (the generic format, Llama 3's). `recipient_first`: every reply opens by
-    naming whom it is for, a tool or the user (Functionary's), so a stream holds it back whole."""
+    naming whom it is for, a tool or the user (Functionary's), so a stream holds it back whole.
+    `calls_end_reasoning`: the model may call a tool straight from an unclosed reasoning (Kimi, DeepSeek V3.2,
+    the XML layouts), so a marker ends the reasoning too."""
 
     name = "generic"
     label = "generic JSON object"
@@ -41,6 +43,7 @@ class Family:
     think: tuple[str, str] | None = None
     bare_json = False
     recipient_first = False
+    calls_end_reasoning = False
 
     def detects(self, template: str) -> bool:
         """Whether `template` (a chat template's source) is this family's."""

@@ -17,7 +17,7 @@ class CommandR7B(JsonBlocks):
     name = "command_r7b"
     label = "Cohere Command R7B"
     priority = 30
-    markers = ("<|START_ACTION|>",)
+    markers = ("<|START_ACTION|>", "<|START_RESPONSE|>")  # the answer's wrapper is held back with the calls
     call_end = "<|END_ACTION|>"
     blocks = (("<|START_ACTION|>", "<|END_ACTION|>"),)
     keys = Keys(name="tool_name", args=("parameters",), id="tool_call_id")

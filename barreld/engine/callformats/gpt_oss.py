@@ -22,7 +22,9 @@ class GptOss(Family):
     name = "gpt_oss"
     label = "harmony channels (gpt-oss)"
     priority = 10
-    markers = (" to=functions.",)
+    # A call's recipient, and the headers of the messages after the analysis: a stream shows none of them (the
+    # final channel's text comes whole, once the reply is read).
+    markers = (" to=functions.", "<|channel|>", "<|start|>")
     call_end = "<|call|>"
     think = ("<|channel|>analysis<|message|>", "<|end|>")
 
