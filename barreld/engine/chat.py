@@ -142,7 +142,7 @@ class Rendering:
 
 def render_conversation(
     template: str | None, messages: tuple[Message, ...], *, ends: bool = False, opening: bool = False,
-    call_end: str | None = None, think: tuple[str, str] | None = None, **options: Any,
+    call: bool = False, **options: Any,
 ) -> Rendering:
     """`render` (with its keyword arguments), and as asked:
 
@@ -154,12 +154,11 @@ def render_conversation(
       that a chat that goes on sends the prompt, the reply and this first. Found by rendering the
       conversation with a placeholder reply and user message; none where the template does not write the
       reply as it is right after the prompt.
-    - `call_end` (the family's text that closes a call region): how the next turn will write a call of the
-      reply (calllayout), for a forced call's grammar; `think`, the family's reasoning marks, for templates
-      that render a reasoning otherwise in the next turn than the prompt opened it."""
+    - `call`: how the next turn will write a call of the reply (calllayout), for a forced call's grammar."""
     renderer = _Renderer(template, messages, **options)
     text = renderer.whole()
-    layout = renderer.call_layout(text, call_end, think) if call_end is not None else None
+    family = family_of(template)
+    layout = renderer.call_layout(text, family.call_end, family.think) if call else None
     return Rendering(text, renderer.ends(text) if ends else (), renderer.opening(text) if opening else b"", layout)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -112,6 +113,19 @@ class Sequence:
         self.prompt_len = min(self.prompt_len, n)
         if self.snapshot is not None and self.snapshot.length > n:
             self.snapshot = None
+
+    def take(self, tokens: list[int], piece: Callable[[int], bytes], text: bytes) -> int | None:
+        """Holds `text`, tokenised as `tokens`, in place of its own tokens from the first that differs, the new
+        ones text only, and returns where they start; None, and unchanged, where they do not render to `text`."""
+        same = next((i for i, (a, b) in enumerate(zip(self.tokens, tokens, strict=False)) if a != b),
+                    min(len(self.tokens), len(tokens)))
+        pieces = [piece(t) for t in tokens[same:]]
+        if bytes(self.rendered[:self.offsets[same]]) + b"".join(pieces) != text:
+            return None
+        self.truncate(same)
+        for token, text_piece in zip(tokens[same:], pieces, strict=True):
+            self.append(token, text_piece, prefilled=False)
+        return same
 
     def clear(self) -> None:
         self.truncate(0)

@@ -29,7 +29,6 @@ import numpy as np
 
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError, BatchItem
-from barreld.engine.callformats import family_of
 from barreld.engine.chat import Message
 from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
@@ -139,9 +138,8 @@ class ModelWorker:
             self._cond.notify()
 
     def settle_as(self, req: Request, text: bytes) -> None:
-        """The text a finished request's sequence is to hold for its next turn: the conversation with the reply
-        as the next turn renders it, where the template writes it otherwise than it was generated (a call in
-        other bytes, thoughts left out). Settling then prefills it from where the two part."""
+        """The text a finished request's sequence is to hold for its next turn: the reply as the next turn
+        renders it (a call in other bytes, thoughts left out), settled from where the two part."""
         with self._cond:
             self._next_forms.append((req, text))
             self._cond.notify()
@@ -288,20 +286,16 @@ class ModelWorker:
         return self._rendered(p, shape=False).text
 
     def _rendered(self, p: CompletionParams, shape: bool = True) -> chat.Rendering:
-        """`render`, and of a conversation's shape what this model's cache uses: where its messages end, when
-        it snapshots its state there (a memory that cannot be cut: see `ModelCache.boundary_points`), and
-        the opening of a next turn, which a memory that can be cut settles with the reply (`_open_next_turn`)."""
+        """`render`, and what this model's cache uses of a conversation's shape: where its messages end (where
+        a memory that cannot be cut snapshots), the opening of a next turn, and a forced call's layout."""
         messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
         if not messages:
             return chat.Rendering(p.prompt)
         be, conversation = self.backend, shape and bool(p.messages)
-        template = p.chat_template or be.chat_template
-        family = family_of(template)
-        forced = shape and p.tools is not None and p.tools.forced
         return chat.render_conversation(
-            template, messages, ends=conversation and self.cache.snapshots_boundaries,
-            opening=conversation and self.cache.memory.cuts_states, call_end=family.call_end if forced else None,
-            think=family.think, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools,
+            p.chat_template or be.chat_template, messages, ends=conversation and self.cache.snapshots_boundaries,
+            opening=conversation and self.cache.memory.cuts_states, call=shape and p.tools is not None and
+            p.tools.forced, bos=be.bos_text, eos=be.eos_text, model=self.name, tools=p.tools,
             options=dict(p.template_options))
 
     def count_tokens(self, params: CompletionParams) -> int:
@@ -497,48 +491,33 @@ class ModelWorker:
         self._release(req)
 
     def _open_next_turn(self, req: Request, seq: Sequence) -> None:
-        """Appends the opening of a chat's next turn to its text (not evaluated): a client that goes on sends
-        the prompt, the reply as it got it and that opening first, so settling prefills the opening with the
-        reply while the user reads, and the next turn prefills only its own message. Skipped where the text
-        held is not that (a stop string cut from the reply) or the opening's tokens do not render back to it."""
+        """Appends the opening of a chat's next turn to its text (not evaluated), which a client that goes on
+        sends after the reply: settling prefills it with the reply, unless a stop string cut the reply."""
         held, opening = bytes(seq.rendered), req.params.opening
         expected = bytes(seq.rendered[: seq.offsets[req.prompt_tokens]]) + req.scanner.text + opening
         if not opening or len(expected) <= len(held) or not expected.startswith(held):
             return
         tokens = self.backend.tokenize_tail(expected[len(held) :])
-        pieces = [self.backend.piece(t) for t in tokens]
-        if b"".join(pieces) != expected[len(held) :] or len(seq.tokens) + len(tokens) >= self.backend.n_ctx:
-            return
-        for token, piece in zip(tokens, pieces, strict=True):
-            seq.append(token, piece, prefilled=False)
-        self.cache.count("opening_tokens", len(tokens))
+        if len(seq.tokens) + len(tokens) < self.backend.n_ctx and \
+                seq.take(seq.tokens + tokens, self.backend.piece, expected) is not None:
+            self.cache.count("opening_tokens", len(tokens))
 
     # ---- settling replies while idle --------------------------------------------------------
 
     def _take_next_forms(self) -> None:
-        """Gives each sequence whose reply the next turn writes otherwise that form, read as the next turn's
-        prompt will be read, in place of its tokens from the first that differs (a call in other bytes, thoughts
-        left out, or only a token that spans the prompt's end), unevaluated: settling prefills them. Skipped
-        where the sequence no longer holds that reply (another request took it) or the form does not fit."""
+        """Gives each sequence its reply's next form, tokenised as the next prompt will be, from its first token
+        that differs (unevaluated: settling prefills them); not where another request has taken the sequence."""
         with self._cond:
             forms, self._next_forms = self._next_forms, []
         for req, text in forms:
             seq = self.seqs[req.seq]
             reply, held = req.params.prompt + req.scanner.text, bytes(seq.rendered)
             # Still this reply, with at most its end-of-generation token or the next turn's opening after it.
-            if not seq.idle or not held.startswith(reply) or len(held) > len(reply) + len(req.params.opening) + 64:
-                continue
-            tokens = self.backend.tokenize(text)
-            same = next((i for i, (a, b) in enumerate(zip(seq.tokens, tokens, strict=False)) if a != b),
-                        min(len(seq.tokens), len(tokens)))
-            pieces = [self.backend.piece(t) for t in tokens[same:]]
-            if bytes(seq.rendered[:seq.offsets[same]]) + b"".join(pieces) != text or len(tokens) >= self.backend.n_ctx:
-                continue
-            if same < len(seq.tokens):
-                self.cache.count("next_forms", 1)  # not only more text: some of the reply's tokens are replaced
-            seq.truncate(same)
-            for token, piece in zip(tokens[same:], pieces, strict=True):
-                seq.append(token, piece, prefilled=False)
+            if seq.idle and held.startswith(reply) and len(held) <= len(reply) + len(req.params.opening) + 64:
+                old, tokens = len(seq.tokens), self.backend.tokenize(text)
+                at = seq.take(tokens, self.backend.piece, text) if len(tokens) < self.backend.n_ctx else None
+                if at is not None and at < old:  # not only text added: some of the reply's tokens replaced
+                    self.cache.count("next_forms", 1)
 
     def _settle_point(self, seq: Sequence) -> int:
         """Where settling an idle sequence starts: its last exact reuse point before the end of its text, from

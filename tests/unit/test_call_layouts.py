@@ -67,7 +67,7 @@ def test_a_forced_call_is_the_templates_own_bytes_and_parses_back(name: str, fam
     source = template(name)
     fam = family_of(source)
     assert fam.name == family
-    rendering = render_conversation(source, HISTORY, call_end=fam.call_end, think=fam.think, **OPTIONS)
+    rendering = render_conversation(source, HISTORY, call=True, **OPTIONS)
     layout = rendering.call
     assert layout is not None, f"no layout read off {name}"
     call_id = calllayout.call_id(rendering.text, "get_weather")
