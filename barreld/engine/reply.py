@@ -179,6 +179,7 @@ class _Reasoning:
         self._seen = ""
         self._state = "start"  # start: before the reply shows whether it thinks; think; text
         self._trim = False
+        self._begun = False  # some of the thought has been read (whitespace before it is not the thought's)
 
     def opened_by(self, prompt: str) -> None:
         """The prompt ended inside the reasoning: the reply starts in it."""
@@ -207,24 +208,28 @@ class _Reasoning:
         return self._thought()
 
     def _thought(self) -> tuple[str, str]:
+        if not self._begun:  # the newline a template writes after the opening mark is not the thought's
+            self._seen = self._seen.lstrip()
+            self._begun = bool(self._seen)
         end = self._seen.find(self._close)
         call = min((at for at in (self._seen.find(m) for m in self._calls) if at >= 0), default=-1)
         if call >= 0 and (end < 0 or call < end):
-            thought, rest = self._seen[:call], self._seen[call:]
+            thought, rest = self._seen[:call].rstrip(), self._seen[call:]
             self._state, self._seen = "text", ""
             return thought, rest
         if end >= 0:
-            thought, rest = self._seen[:end], self._seen[end + len(self._close):].lstrip("\n")
+            thought, rest = self._seen[:end].rstrip(), self._seen[end + len(self._close):].lstrip("\n")
             self._state, self._seen, self._trim = "text", "", not rest
             return thought, rest
         held = max((n for m in (self._close, *self._calls) for n in range(1, len(m)) if self._seen.endswith(m[:n])),
                    default=0)
-        thought, self._seen = self._seen[:len(self._seen) - held], self._seen[len(self._seen) - held:]
+        cut = len(self._seen[:len(self._seen) - held].rstrip())  # and the whitespace the closing mark may follow
+        thought, self._seen = self._seen[:cut], self._seen[cut:]
         return thought, ""
 
     def flush(self) -> tuple[str, str]:
         """(reasoning, text) held back when the reply ends: an unclosed reasoning is all reasoning."""
         held, self._seen = self._seen, ""
         if self._state == "think":
-            return held, ""
+            return held.rstrip(), ""
         return "", held if self._state == "start" else ""

@@ -245,7 +245,8 @@ class MessagesReply:
         if self._open != kind:
             out += self._close()
             self._open = kind
-            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": ""}
+            block = {"type": "text", "text": ""} if kind == "text" else \
+                {"type": "thinking", "thinking": "", "signature": ""}  # as the whole message's block has it
             out.append(event("content_block_start", {"index": self._blocks, "content_block": block}))
         delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         out.append(event("content_block_delta", {"index": self._blocks, "delta": delta}))

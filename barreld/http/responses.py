@@ -231,7 +231,9 @@ def usage_doc(finish: Finish) -> dict[str, Any]:
 class ResponseReply:
     """Shapes one request's reply events as a response object, or as the stream's numbered events: the
     reasoning item, the message item and each function_call item, opened, filled and closed in turn, then
-    response.completed (or .incomplete at max_output_tokens)."""
+    response.completed (or .incomplete at max_output_tokens). A reasoning item carries the thought twice: as
+    its one `summary_text` part (what OpenAI's clients show, streamed as reasoning_summary_* events) and as
+    its `reasoning_text` content (the raw reasoning, as open-weight servers give it)."""
 
     ping = KEEP_ALIVE
     tail = b""
@@ -299,11 +301,17 @@ class ResponseReply:
             out += self._open_item(kind)
         item = self._open
         assert item is not None
-        part = item["content"][0]
-        part["text"] += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        out.append(self._event(name, item_id=item["id"], output_index=len(self._items) - 1, content_index=0,
-                               delta=text, **({"logprobs": []} if kind == "message" else {})))
+        index = len(self._items) - 1
+        item["content"][0]["text"] += text
+        if kind == "message":
+            out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                   content_index=0, delta=text, logprobs=[]))
+            return out
+        item["summary"][0]["text"] += text
+        out.append(self._event("response.reasoning_summary_text.delta", item_id=item["id"], output_index=index,
+                               summary_index=0, delta=text))
+        out.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                               content_index=0, delta=text))
         return out
 
     def _open_item(self, kind: str) -> list[bytes]:
@@ -322,6 +330,11 @@ class ResponseReply:
         if kind == "message":
             out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
                                    content_index=0, part={**part}))
+        else:  # the thought is its own summary too: clients show a reasoning item's summary, not its content
+            summary = {"type": "summary_text", "text": ""}
+            item["summary"].append(summary)
+            out.append(self._event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
+                                   summary_index=0, part={**summary}))
         return out
 
     def _close(self) -> list[bytes]:
@@ -337,7 +350,12 @@ class ResponseReply:
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=part),
                     self._event("response.output_item.done", output_index=index, item=item)]
-        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+        summary = item["summary"][0]
+        return [self._event("response.reasoning_summary_text.done", item_id=item["id"], output_index=index,
+                            summary_index=0, text=summary["text"]),
+                self._event("response.reasoning_summary_part.done", item_id=item["id"], output_index=index,
+                            summary_index=0, part=summary),
+                self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                             content_index=0, text=part["text"]),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
