@@ -243,9 +243,12 @@ class ModelRegistry:
             model.memory.summary,
         )
         template = model.worker.backend.chat_template
-        if knows_tools(template) and family_of(template) is GENERIC:
+        family = family_of(template)
+        if knows_tools(template) and family is GENERIC:
             log.warning("%s: its chat template knows tools in a layout Barrel does not know; its calls are asked "
                         "for and read in the generic format (one JSON object a call)", name)
+        elif family is not GENERIC:
+            log.info("%s: tool calls and reasoning in the %s format (%s)", name, family.name, family.label)
         return model
 
     def _check(self, name: str, opts: LoadOptions) -> Policy:

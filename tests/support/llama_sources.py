@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from barreld.engine.callformats import Family, families
+
 ROOT = Path(__file__).resolve().parents[2] / ".cache" / "llama.cpp"
 
 
@@ -21,3 +23,8 @@ def template_path(name: str) -> Path:
 
 def template(name: str) -> str:
     return template_path(name).read_text()
+
+
+def family_named(name: str) -> Family:
+    """A family's format by its name (as `barrelctl models` reports it)."""
+    return next(f for f in families() if f.name == name)

@@ -48,8 +48,7 @@ from openai_harmony import (
 )
 
 from barreld.engine import chat, tools
-from barreld.engine.callformats import family_named
-from tests.support.llama_sources import template
+from tests.support.llama_sources import family_named, template
 
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's, and harmony's
 

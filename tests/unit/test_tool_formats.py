@@ -14,14 +14,14 @@ from pathlib import Path
 import gguf
 import pytest
 
-from barreld.engine.callformats import GENERIC, Family, family_named, family_of
+from barreld.engine.callformats import GENERIC, Family, family_of
 from barreld.engine.chat import Message, messages_from, render
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.registry import bundled_model_path
 from barreld.engine.tools import GENERIC as GENERIC_TEXT
 from barreld.engine.tools import CallStream, ToolCall, forced_grammar, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
-from tests.support.llama_sources import template
+from tests.support.llama_sources import family_named, template
 
 WEATHER = tool("get_weather", "The weather now", {"type": "object", "properties": {"city": {"type": "string"}},
                                                   "required": ["city"]}, "tools[0]")

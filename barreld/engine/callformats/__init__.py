@@ -16,7 +16,7 @@ from barreld.engine.callformats.base import Family, Parsed, ParsedCall
 
 GENERIC = generic.FAMILY
 
-__all__ = ["GENERIC", "Family", "Parsed", "ParsedCall", "families", "family_named", "family_of"]
+__all__ = ["GENERIC", "Family", "Parsed", "ParsedCall", "families", "family_of"]
 
 
 @functools.cache
@@ -37,7 +37,3 @@ def family_of(template: str | None) -> Family:
             if family.detects(template):
                 return family
     return GENERIC
-
-
-def family_named(name: str) -> Family:
-    return next((f for f in families() if f.name == name), GENERIC)
