@@ -50,14 +50,11 @@ class CallLayout:
 
     `cut`: where the next turn departs from the prompt, in bytes, when the prompt ends with reasoning marks that
     the next turn writes otherwise (a `<think>` the generation prompt opens, an empty `<think></think>`); a
-    forced call's prompt is cut there and its reply written as the next turn writes it, so it is kept whole.
-    `kept`: the next turn starts with the prompt (so cut) and the call; false where the layout could only be
-    read off another conversation (a template that moves the system prompt into the last user turn)."""
+    forced call's prompt is cut there and its reply written as the next turn writes it, so it is kept whole."""
 
     parts: tuple[str, ...]
     parameters: Parameters | None = None
     cut: int | None = None
-    kept: bool = True
 
 
 Render = Callable[[object], str | None]

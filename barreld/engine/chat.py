@@ -232,7 +232,7 @@ class _Renderer:
         question = (Message("user", _NEXT),)
         prompt = self._render(self._messages(question), cue=True)
         layout = calllayout.derive(self._probe(question), prompt.decode(), call_end, think)
-        return None if layout is None else dataclasses.replace(layout, cut=None, kept=False)
+        return None if layout is None else dataclasses.replace(layout, cut=None)
 
     def _probe(self, given: tuple[Message, ...]) -> calllayout.Render:
         def render(arguments: object) -> str | None:

@@ -79,5 +79,6 @@ def test_a_forced_call_is_the_templates_own_bytes_and_parses_back(name: str, fam
     sent_back = ToolCall(parsed.calls[0].id or call_id, "get_weather", parsed.calls[0].arguments)
     following = (*HISTORY, Message("assistant", parsed.content, (sent_back,)), Message("tool", "21", (), sent_back.id))
     next_prompt = render(source, following, **OPTIONS).decode()
-    assert next_prompt.startswith(prompt + reply) == layout.kept
+    # Mistral Nemo's template moves the system prompt into the last user turn: no next turn keeps the prompt.
+    assert next_prompt.startswith(prompt + reply) == (name != "mistralai-Mistral-Nemo-Instruct-2407.jinja")
     check_gbnf(forced_grammar(SPEC, layout, rendering.text))
