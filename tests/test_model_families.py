@@ -66,7 +66,10 @@ MOVES_SYSTEM = {"nemo"}
 
 
 def counters(daemon: Daemon) -> dict[str, int]:
-    return daemon.box.ctl("--json", "cache", "stats").json()["counters"]
+    """The cache's counters, over the socket (the CLI's own output is checked elsewhere; polling it costs a
+    process a time)."""
+    with daemon.box.client() as c:
+        return dict(c.cache_stats().counters)
 
 
 def settle(daemon: Daemon, before: int) -> None:
@@ -150,7 +153,7 @@ def test_a_forced_call_parses_keeps_the_prefix_and_the_next_turn_restores_throug
     results = [{"role": "tool", "tool_call_id": c["id"], "content": '{"sky": "clear"}'} for c in calls]
     follow = daemon.sdk().chat.completions.create(model=model, messages=[*messages, message, *results],
                                                   tools=TOOLS, max_tokens=2, temperature=0)
-    chunk = next(m["prefill_chunk"] for m in daemon.box.ctl("--json", "models").json()["models"]
-                 if m["name"] == model)
+    with daemon.box.client() as c:
+        chunk = next(m.prefill_chunk for m in c.models() if m.name == model)
     restored = follow.usage.prompt_tokens_details.cached_tokens
     assert restored >= usage.prompt_tokens + usage.completion_tokens - chunk, (restored, usage)
