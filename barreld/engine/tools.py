@@ -187,26 +187,44 @@ def split_calls(text: str, spec: ToolSpec | None, family: Family) -> tuple[str, 
     parsed = family.parse(text, tuple(tools))
     if not parsed.calls:
         return parsed.content, (), parsed.reasoning
-    calls = [_checked(c, tools) for c in parsed.calls] if spec is not None and spec.parses else [None]
+    calls = [_checked(c, tools, family) for c in parsed.calls] if spec is not None and spec.parses else [None]
     if None in calls:
         return text, (), ""
     found = tuple(c for c in calls if c is not None)
     return parsed.content, found if spec is None or spec.parallel else found[:1], parsed.reasoning
 
 
-def _checked(call: ParsedCall, tools: dict[str, Tool]) -> ToolCall | None:
+def _checked(call: ParsedCall, tools: dict[str, Tool], family: Family) -> ToolCall | None:
     import jsonschema
 
     if call.name not in tools:
         return None
+    arguments = call.arguments
     try:
-        args = json.loads(call.arguments)
+        args = json.loads(arguments)
+        if family.bare_values and isinstance(args, dict):
+            arguments = _as_text_where_declared(args, tools[call.name].parameters) or arguments
+            args = json.loads(arguments)
         jsonschema.validate(args, tools[call.name].parameters)
     except (ValueError, jsonschema.ValidationError):
         return None
     if not isinstance(args, dict):  # a schema may leave `type` out
         return None
-    return ToolCall(call.id or new_call_id(), call.name, call.arguments)
+    return ToolCall(call.id or new_call_id(), call.name, arguments)
+
+
+def _as_text_where_declared(args: dict, schema: dict) -> str | None:
+    """Arguments read from bare text between tags (the XML layouts), where the tool's schema declares a
+    property a string: read back as the text it was written as ("12", "true"), as llama.cpp reads them with
+    the schema; None when nothing changes."""
+    properties = schema.get("properties", {}) if isinstance(schema, dict) else {}
+    text = {key for key, value in args.items()
+            if not isinstance(value, str) and isinstance(properties.get(key), dict)
+            and properties[key].get("type") == "string"}
+    if not text:
+        return None
+    return json.dumps({key: json.dumps(value, ensure_ascii=False) if key in text else value
+                       for key, value in args.items()}, ensure_ascii=False)
 
 
 class CallStream:

@@ -175,3 +175,17 @@ def test_an_assistant_turn_of_calls_may_have_no_content_and_its_result_names_it(
         {"role": "tool", "tool_call_id": "c1", "content": "21"},
     ])
     assert got == (Message("assistant", "", (ToolCall("c1", "get_weather", ARGS),)), Message("tool", "21", (), "c1"))
+
+
+@pytest.mark.parametrize(("family", "reply"), [
+    ("qwen3_coder", "<tool_call>\n<function=ship>\n<parameter=zip>\n10001\n</parameter>\n<parameter=count>\n3\n"
+                    "</parameter>\n</function>\n</tool_call>"),
+    ("glm", "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>10001</arg_value>\n<arg_key>count</arg_key>\n"
+            "<arg_value>3</arg_value>\n</tool_call>"),
+])
+def test_a_bare_value_is_text_where_the_schema_declares_a_string(family: str, reply: str) -> None:
+    schema = {"type": "object", "properties": {"zip": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["zip", "count"]}
+    ship = tool("ship", None, schema, "tools[0]")
+    _, calls, _ = split_calls(reply, tool_spec([ship]), family_named(family))
+    assert [json.loads(c.arguments) for c in calls] == [{"zip": "10001", "count": 3}]

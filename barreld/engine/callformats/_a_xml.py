@@ -73,6 +73,7 @@ class XmlCalls(CallFamily):
     markers = (OPEN,)
     call_end = "</tool_call>"
     calls_end_reasoning = True
+    bare_values = True
 
     def split(self, text: str, reasoning_open: bool) -> tuple[str, str]:
         cut = text.find(OPEN)

@@ -33,7 +33,8 @@ class Family:
     opens with a JSON object is a call (the generic format, Llama 3's). `recipient_first`: every reply opens by
     naming whom it is for, a tool or the user (Functionary's), so a stream holds it back whole.
     `calls_end_reasoning`: the model may call a tool straight from an unclosed reasoning (Kimi, DeepSeek V3.2,
-    the XML layouts), so a marker ends the reasoning too."""
+    the XML layouts), so a marker ends the reasoning too. `bare_values`: arguments are written as bare text
+    between tags, so a string that looks like a number reads as one until the tool's schema says otherwise."""
 
     name = "generic"
     label = "generic JSON object"
@@ -44,6 +45,7 @@ class Family:
     bare_json = False
     recipient_first = False
     calls_end_reasoning = False
+    bare_values = False
 
     def detects(self, template: str) -> bool:
         """Whether `template` (a chat template's source) is this family's."""

@@ -21,6 +21,7 @@ class Glm(RegionFamily):
     markers = ("<tool_call>",)
     call_end = "</tool_call>"
     think = ("<think>", "</think>")
+    bare_values = True
 
     def detects(self, template: str) -> bool:
         return "<arg_key>" in template and "<role>ASSISTANT</role>" not in template

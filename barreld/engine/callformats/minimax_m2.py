@@ -21,6 +21,7 @@ class MiniMaxM2(RegionFamily):
     markers = ("<minimax:tool_call>",)
     call_end = "</minimax:tool_call>"
     think = ("<think>", "</think>")
+    bare_values = True
 
     def detects(self, template: str) -> bool:
         return "<minimax:tool_call>" in template
