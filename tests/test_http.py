@@ -104,10 +104,14 @@ def test_a_chat_given_time_to_settle_restores_its_reply_and_the_opening_of_its_n
     turn1 = [SYSTEM, {"role": "user", "content": "Which word of the notes comes last?"}]
     before = counters(warm.box)
     r1 = client.chat.completions.create(model="smollm2", messages=turn1, max_tokens=12, temperature=0)
+    with warm.box.client() as rpc:  # settling waits settle_after_ms (200) before it starts
+        assert next(m for m in rpc.models() if m.name == "smollm2").settling
     deadline = time.monotonic() + 60
-    while (c := counters(warm.box))["settled_tokens"] - before["settled_tokens"] < r1.usage.completion_tokens:
+    while next(m for m in warm.box.ctl("--json", "models").json()["models"] if m["name"] == "smollm2")["settling"]:
         assert time.monotonic() < deadline, "the reply was not settled"
         time.sleep(0.1)
+    c = counters(warm.box)
+    assert c["settled_tokens"] - before["settled_tokens"] >= r1.usage.completion_tokens
     opening = c["opening_tokens"] - before["opening_tokens"]
     assert opening >= 4
     turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content},

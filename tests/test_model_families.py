@@ -72,16 +72,20 @@ def counters(daemon: Daemon) -> dict[str, int]:
         return dict(c.cache_stats().counters)
 
 
-def settle(daemon: Daemon, before: int) -> None:
-    """Until settling has begun after the reply and stopped (the count unchanged for half a second): a reply
-    whose next form replaces some of its tokens settles from there, so the count alone does not say when."""
-    deadline, last, still = time.monotonic() + 60, before, 0
-    while still < 5:
+def settle(daemon: Daemon, model: str, before: int) -> None:
+    """Until the model has settled the reply: `models` says so, with no request running (the worker lets go of
+    the sequence just after the reply is out) and settling begun after `before`."""
+    deadline = time.monotonic() + 60
+    while True:
+        with daemon.box.client() as c:
+            info = next(m for m in c.models() if m.name == model)
+            settled = dict(c.cache_stats().counters)["settled_tokens"]
+        if not (info.running or info.settling) and settled > before:
+            return
         assert time.monotonic() < deadline, "the reply was not settled"
-        time.sleep(0.1)
-        now = counters(daemon)["settled_tokens"]
-        still = still + 1 if now == last and now > before else 0
-        last = now
+        time.sleep(0.05)
+
+
 CHOICES = {"required": "required", "named": {"type": "function", "function": {"name": "get_time"}}}
 
 
@@ -149,7 +153,7 @@ def test_a_forced_call_parses_keeps_the_prefix_and_the_next_turn_restores_throug
     assert name == "get_time" if choice == "named" else name in SCHEMAS
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[name])
     assert barrel["prefix_kept"] is True, (model, message)
-    settle(daemon, settled)
+    settle(daemon, model, settled)
     results = [{"role": "tool", "tool_call_id": c["id"], "content": '{"sky": "clear"}'} for c in calls]
     follow = daemon.sdk().chat.completions.create(model=model, messages=[*messages, message, *results],
                                                   tools=TOOLS, max_tokens=2, temperature=0)

@@ -45,9 +45,9 @@ def daemons() -> Iterator[tuple[Daemon, Daemon]]:
         yield pair
 
 
-def settle(daemon: Daemon, before: dict[str, int]) -> None:
+def settle(daemon: Daemon, model: str, before: dict[str, int]) -> None:
     """Until the reply was taken in its next form and settled."""
-    settle_reply(daemon, before["settled_tokens"])
+    settle_reply(daemon, model, before["settled_tokens"])
     assert counters(daemon)["next_forms"] == before["next_forms"] + 1
 
 
@@ -60,7 +60,7 @@ def test_an_auto_call_the_template_rewrites_settles_as_rewritten(daemons: tuple[
     call = r1.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
     assert r1.model_extra["barrel"]["prefix_kept"] is False  # the template writes it back as tojson spaces it
-    settle(warm, before)
+    settle(warm, "qwen25", before)
     turn2 = [*turn1, r1.choices[0].message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
     r2 = warm.sdk().chat.completions.create(model="qwen25", messages=turn2, tools=TOOLS, max_tokens=8, temperature=0)
@@ -80,7 +80,7 @@ def test_a_reply_whose_thoughts_the_template_drops_settles_without_them(daemons:
                                             extra_body={"grammar": literal(THINKING)})
     message = r1.choices[0].message
     assert (message.model_extra["reasoning_content"].strip(), message.content) == (THOUGHT, ANSWER)
-    settle(warm, before)
+    settle(warm, "qwen3", before)
     turn2 = [*turn1, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "How are you?"}]
     r2 = warm.sdk().chat.completions.create(model="qwen3", messages=turn2, max_tokens=8, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens

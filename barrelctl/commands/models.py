@@ -71,6 +71,7 @@ def model_json(m) -> dict:
         "running": m.running,
         "queued": m.queued,
         "live": m.live,
+        "settling": m.settling,
         "default": m.is_default,
         "policy": dict(m.policy),
         "memory": m.memory,

@@ -98,7 +98,7 @@ class ModelWorker:
         self._next_forms: list[tuple[Request, bytes]] = []  # replies to settle in another form (`settle_as`)
         self._next_id = 0
         self._shutdown_saved = 0
-        self.settling = False  # an idle sequence's reply may still be settled (read by tests)
+        self.settling = False  # an idle sequence's reply may still be settled (`models` shows it)
         self._idle_at = 0.0  # when the last request let go of its sequence
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
         self._thread.start()
@@ -131,7 +131,8 @@ class ModelWorker:
         with self._cond:
             running = sum(1 for s in self.seqs if s.request is not None)
             live = sum(1 for s in self.seqs if s.request is None and s.tokens)
-            return {"running": running, "queued": len(self._waiting), "live": live}
+            settling = int(self.settling or bool(self._next_forms))
+            return {"running": running, "queued": len(self._waiting), "live": live, "settling": settling}
 
     def wake(self) -> None:
         with self._cond:

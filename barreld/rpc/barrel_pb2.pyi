@@ -241,7 +241,7 @@ class LoadModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., fingerprint: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk", "error", "aliases", "stop", "tool_format", "exact_reuse")
+    __slots__ = ("name", "path", "fingerprint", "tier", "n_ctx", "n_batch", "n_seq_max", "state", "running", "queued", "live", "policy", "quant", "is_default", "memory", "swa_window", "reuse", "n_threads", "n_gpu_layers", "gpu_layers", "flash_attn", "type_k", "type_v", "swa_full", "prefill_chunk", "error", "aliases", "stop", "tool_format", "exact_reuse", "settling")
     class PolicyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,7 @@ class ModelInfo(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     EXACT_REUSE_FIELD_NUMBER: _ClassVar[int]
+    SETTLING_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     fingerprint: str
@@ -309,7 +310,8 @@ class ModelInfo(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     tool_format: str
     exact_reuse: ExactReuse
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ..., tool_format: _Optional[str] = ..., exact_reuse: _Optional[_Union[ExactReuse, _Mapping]] = ...) -> None: ...
+    settling: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ..., tool_format: _Optional[str] = ..., exact_reuse: _Optional[_Union[ExactReuse, _Mapping]] = ..., settling: _Optional[bool] = ...) -> None: ...
 
 class ExactReuse(_message.Message):
     __slots__ = ("grain", "generated", "source", "probe_ms", "rule", "min_batch", "merged")

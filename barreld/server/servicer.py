@@ -128,6 +128,7 @@ def model_info(m: LoadedModel, default: str | None) -> pb.ModelInfo:
         running=counts["running"],
         queued=counts["queued"],
         live=counts["live"],
+        settling=bool(counts["settling"]),
         policy={k: str(v) for k, v in m.policy.as_dict().items()},
         quant=m.quant,
         is_default=m.name == default,

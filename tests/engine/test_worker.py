@@ -183,10 +183,10 @@ def test_the_queue_bound_refuses_at_once(tmp_path: Path, store: WatchedStore) ->
     second = engine.submit(plain(40, 14))
     with pytest.raises(ResourceExhausted, match="1 requests queued"):
         engine.submit(plain(40, 15))
-    assert worker.counts() == {"running": 1, "queued": 1, "live": 0}
+    assert {k: worker.counts()[k] for k in ("running", "queued", "live")} == {"running": 1, "queued": 1, "live": 0}
     be.release()
     assert collect(first).done and collect(second).done
-    assert worker.counts() == {"running": 0, "queued": 0, "live": 1}
+    assert {k: worker.counts()[k] for k in ("running", "queued", "live")} == {"running": 0, "queued": 0, "live": 1}
     engine.close()
 
 
