@@ -39,6 +39,7 @@ class ContextSettings:
     type_v: int = 1
     flash_attn: bool | None = False  # None: on for a sliding-window model (`resolve_flash_attn`)
     swa_full: bool = False  # keep every SWA cell in the live context, not just the last window
+    n_ubatch: int = 0  # rows llama.cpp computes at once; 0: n_batch (bench.ubatch measures smaller ones)
 
 
 def resolve_flash_attn(asked: bool | None, sliding_window: int) -> bool:

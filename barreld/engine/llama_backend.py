@@ -125,7 +125,7 @@ class LlamaBackend:
         cparams = L.llama_context_default_params()
         cparams.n_ctx = settings.n_ctx * settings.n_seq_max
         cparams.n_batch = settings.n_batch
-        cparams.n_ubatch = settings.n_batch
+        cparams.n_ubatch = min(settings.n_ubatch or settings.n_batch, settings.n_batch)
         cparams.n_seq_max = settings.n_seq_max
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
