@@ -22,7 +22,7 @@ boundary snapshots (`snapshot_ns`) over the warm daemon's prefill time; and, on 
 daemon-side prefill time of an agent's first prompt (a new head each round, so each is a miss that takes a
 snapshot at the end of the system prompt) with boundary snapshots, against a daemon that saves nothing,
 in alternation (--rounds, 9). Models: SmolLM2-135M Q4_1 (full attention), Gemma 3 270M Q4_K_M (sliding window
-512; swa_full on, the default, and off), and the tests' tiny random-weight Mamba (recurrent) and LFM2
+512; swa_full on, and off as by default), and the tests' tiny random-weight Mamba (recurrent) and LFM2
 (hybrid). All use n_ctx 4096, n_batch 512 (prefill chunk 128) and one thread.
 """
 

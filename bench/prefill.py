@@ -12,10 +12,10 @@ the same tokens. Each server gets it as a raw prompt, one token to generate, not
 each round; llama-server also gets `cache_prompt: false`), `--rounds` times: every server is started once and
 asked in an order that rotates. Prefill tokens/s is the prompt's tokens over the server's own prefill time:
 barreld's timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention,
-a 32k context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full on for a sliding-window
-model, flash attention on for a sliding-window model and off for the others, prefill chunks of 128 = n_batch / 4,
+a 32k context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full off, the window layers
+a ring put back in order after every prefill call; flash attention on for a sliding-window model and off for the others, prefill chunks of 128 = n_batch / 4,
 a prefill alone taking as many chunks a llama.cpp call as n_batch holds where the load-time probe proves that
-exact), then one knob set at a time: swa_full off, flash attention on, off, one chunk a call (`reuse_grain =
+exact), then one knob set at a time: swa_full on, flash attention on, off, one chunk a call (`reuse_grain =
 128`: no probe, so nothing proven).
 llama-server: `-c N -b 512` and its defaults (flash attention `auto`, which is on here), every core. Beside them
 the floor (bench.prefill_floor, a child process): the same prompt through barreld's backend in a loop, in the
@@ -44,7 +44,7 @@ SECTION = "prefill"
 HEAD = Path(__file__).resolve().parents[1] / "tests" / "data" / "codex-request.json"
 VARIANTS = {  # name: (model knobs, policy knobs)
     "barreld defaults": ("", ""),
-    "swa_full off": ("swa_full = false\n", ""),
+    "swa_full on": ("swa_full = true\n", ""),
     "flash attention on": ("flash_attn = true\n", ""),
     "flash attention off": ("flash_attn = false\n", ""),
     "one chunk a call": ("", "reuse_grain = 128\n"),
@@ -137,7 +137,7 @@ def floor_rate(model: Model, work: Path, prompt: str) -> float:
     """bench.prefill_floor's tokens/s for this prompt on barreld's default settings, in a child process."""
     text = work / "prompt.txt"
     text.write_text(prompt)
-    flags = ["--swa-full"] if model.sliding else ["--no-flash-attn"]
+    flags = [] if model.sliding else ["--no-flash-attn"]
     out = subprocess.run([sys.executable, "-m", "bench.prefill_floor", str(model.path), str(text), str(model.n_ctx),
                           *flags], capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(out.stdout)["rate"]
@@ -150,7 +150,7 @@ def measure(tokens: int, rounds: int) -> Table:
               ["model", "server", "prompt tokens", "prefill tokens/s", "vs llama-server"])
     for model in models:
         prompt, n = prompt_of(model, tokens if model.sliding else min(tokens, SMOLLM2_TOKENS))
-        names = [v for v in VARIANTS if model.sliding or v != "swa_full off"]
+        names = [v for v in VARIANTS if model.sliding or v != "swa_full on"]
         rates: dict[str, list[float]] = {LLAMA: [], FLOOR: [], **{v: [] for v in names}}
         with tempfile.TemporaryDirectory(prefix="barrel-bench-prefill-") as work:
             progress(f"{model.name}: starting llama-server and {len(names)} barreld")
@@ -179,7 +179,7 @@ def measure(tokens: int, rounds: int) -> Table:
         t.add(model.name, FLOOR, f"{n:,}", f"{median(rates[FLOOR]):.0f}", ratio(median(rates[FLOOR]), ls))
     t.note = (f"Medians of {rounds} rounds, the servers' order rotating; each request cold (another first line "
               "each round), one token generated; prefill time as each server reports it. barreld's defaults are "
-              "swa_full on and flash attention on for Gemma (a sliding window), flash attention off for SmolLM2, "
+              "swa_full off and flash attention on for Gemma (a sliding window), flash attention off for SmolLM2, "
               "chunks of n_batch / 4 = 128 and, for a prefill alone, as many chunks a call as n_batch (512) holds "
               "where the probe proves it exact; each other row sets one of them. llama-server's flash attention "
               "`auto` is on here.")

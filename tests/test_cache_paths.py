@@ -62,7 +62,7 @@ MODELS = {
     "smollm2_fa": Model(lambda: bundled_model_path("smollm2"), 'flash_attn = true\ntype_k = "q8_0"\n'
                         'type_v = "q8_0"\n', 600, "full"),
     "gemma": Model(gemma_path, "swa_full = true\n", 620, "swa"),
-    "gemma_ring": Model(gemma_path, "swa_full = false\n", 660, "swa"),  # past 640: more than the window
+    "gemma_ring": Model(gemma_path, "swa_full = false\n", 1000, "swa"),  # past 1,024 tokens: the ring wraps
     "mamba": Model(tiny_recurrent_path, "", 2600, "recurrent"),
     "lfm2": Model(tiny_hybrid_path, "", 1500, "hybrid"),
 }
@@ -141,11 +141,8 @@ def expected_routes(model: str, n1: int) -> dict[str, tuple[str, int]]:
     rule gave (a finer grain reuses as much or more).
 
     A memory that cannot be cut keeps its prompt's state at the last chunk boundary (p) or, where its grain
-    allows, at the prompt's end; without swa_full a state of more than the window (512) is not saved at all,
-    and then only the cold capture at 512 serves."""
+    allows, at the prompt's end."""
     p = n1 // CHUNK * CHUNK
-    if model == "gemma_ring" and p > 512:
-        return {"live": ("live", p), "exact": ("longest_prefix", 512), "resume": ("longest_prefix", 512)}
     # Full attention: turn two's row superseded turn one's, whose key and prompt now find turn two's row,
     # which has no logits at n1: the last partial chunk is prefilled again.
     return {"live": ("live", p), "exact": ("exact", p), "resume": ("resume", p)}
@@ -182,9 +179,10 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
         refused = counters(warm)["reuse_refused"]
         got, ref = ask(warm, model, prompt, parent), ask(cold, model, prompt)
         assert ref.route == "miss" and got.text == ref.text, (case, got.route, got.restored)
-        if case == "midway" and MODELS[model].memory in ("recurrent", "hybrid"):
-            # the live sequence shares half of its prompt, but a recurrent state exists at its end only:
-            # refused and counted, and the snapshot turn one's prefill stored at a stride boundary serves
+        if case == "midway" and (MODELS[model].memory in ("recurrent", "hybrid") or model == "gemma_ring"):
+            # the live sequence shares half of its prompt, but a recurrent state exists at its end only, and a
+            # ring is never cut: refused and counted, and the snapshot turn one's prefill stored at a stride
+            # boundary serves
             assert got.route == "longest_prefix" and got.restored % CHUNK == 0, (got.route, got.restored)
             assert counters(warm)["reuse_refused"] > refused
         elif case == "midway":
@@ -203,7 +201,7 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
         # a state that cannot be cut is kept where a longer prompt can extend it, or at the end of a settled text
         assert r["frontier"] % grain == 0 or MODELS[model].memory == "full" or r["frontier"] == r["tokens"]
     # Stored as chains of 128-token blocks (the default), which the rows of one conversation share; a
-    # recurrent state has no attention cells to cut and stays whole. (Without swa_full, Gemma keeps one row.)
+    # recurrent state has no attention cells to cut and stays whole.
     assert all(r["blocks"] == (0 if MODELS[model].memory == "recurrent" else r["frontier"] // BLOCK) for r in rows)
     if sum(1 for r in rows if r["blocks"]) > 1:  # one conversation's rows share its first blocks
         assert any(r["shared_bytes"] for r in rows)
@@ -249,7 +247,7 @@ def test_a_stored_prefix_restores_exactly_after_a_restart(cold: Sandbox, model: 
             served = {route, "longest_prefix"} if MODELS[model].path in TINY else {route}
             assert got.route in served and got.tier == "disk" and got.restored >= CHUNK, (route, got.route)
             if MODELS[model].memory != "full":
-                assert got.restored % CHUNK == 0 and (model != "gemma_ring" or got.restored <= 512), got.restored
+                assert got.restored % CHUNK == 0, got.restored
 
 
 def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> None:

@@ -81,7 +81,8 @@ class Backend(Protocol):
     def is_eog(self, token: int) -> bool: ...
 
     def decode(self, items: list[BatchItem]) -> None:
-        """Evaluate one batch; raises BackendError on failure."""
+        """Evaluate one batch; raises BackendError on failure. On an SWA ring, a call that prefills one sequence
+        leaves its window cells in position order from the first cell (barreld.engine.memory)."""
 
     def logits(self, index: int) -> np.ndarray:
         """A copy of the logits of batch position `index` of the last decode."""

@@ -22,7 +22,8 @@ context to itself runs (`barreld.engine.plan`): equal, and such calls are allowe
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
 nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: three to thirty
-prefills of about 2.5 chunks (1 to 20 s on these 2 cores).
+prefills of about 2.5 chunks (1 to 20 s on these 2 cores). On an SWA ring without swa_full every one of them
+starts past the window plus a batch, from a restored state, so the verdict speaks for a wrapped window.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from barreld.engine.backend import Backend, BackendError, BatchItem, ContextSett
 from barreld.engine.memo import JsonMemo, cache_dir, verdict_key
 from barreld.engine.memory import Memory
 from barreld.engine.plan import call_end
+from barreld.names import MemoryKind
 
 log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
 MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
-PROBE_VERSION = 5  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 6  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
@@ -133,21 +135,24 @@ class _Probe:
     def __init__(self, backend: Backend, memory: Memory) -> None:
         self.be, self.memory = backend, memory
         c = memory.chunk
-        self.length = 2 * c + c // 2 + 7  # crosses two chunk boundaries and ends inside a chunk
-        if c < 8 or self.length + 8 > backend.n_ctx:
-            raise ValueError(f"no room for a probe of {self.length} tokens in chunks of {c}")
+        # An SWA ring is probed past the point where it wraps: its warm starts restore a wrapped window.
+        ring = memory.kind is MemoryKind.SWA and not memory.swa_full
+        self.base = -(-(memory.window + backend.n_batch) // c) * c if ring else 0
+        self.end = self.base + 2 * c + c // 2 + 7  # crosses two chunk boundaries past base, ends inside a chunk
+        if c < 8 or self.end + 8 > backend.n_ctx:
+            raise ValueError(f"no room for a probe of {self.end} tokens in chunks of {c}")
         text = backend.tokenize(PROBE_TEXT)
-        self.tokens = (text * (self.length // max(1, len(text)) + 1))[: self.length]
-        self.head = b""  # the state of the first chunk, put back before each try
+        self.tokens = (text * (self.end // max(1, len(text)) + 1))[: self.end]
+        self.head = b""  # the state of the first chunk past base, put back before each try
         self.cold: tuple[bytes, bytes] = (b"", b"")  # the state bytes and last logits of a cold prefill
         self.last_rows = 0  # rows in the last batch decoded
 
     def run(self) -> tuple[int, int, bool, bool]:
         c = self.memory.chunk
-        ref_logits = self._prefill(0, self.length)
+        ref_logits = self._prefill(0, self.end)
         self.cold = cold = (bytes(self.be.state_get(PROBE_SEQ)), ref_logits.tobytes())
         self._clear()
-        self._prefill(0, c)
+        self._prefill(0, self.base + c)
         self.head = bytes(self.be.state_get(PROBE_SEQ))
         for grain, min_batch in candidates(c):
             points = self._points(grain, min_batch)
@@ -162,7 +167,7 @@ class _Probe:
         if room < 2 * self.memory.chunk:
             return False
         self._clear()
-        logits = self._prefill(0, self.length, room)
+        logits = self._prefill(0, self.end, room)
         if (bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()) != self.cold:
             return False
         return all(self._warm(k, cut, grain, min_batch, room) == self.cold for k, cut in points)
@@ -177,14 +182,14 @@ class _Probe:
         such point; but a state at its own length with 2 * min_batch at least the chunk needs no point where
         the prompt ends: its warm batches start min_batch into a chunk and hold min_batch at least, so none
         ends inside a chunk."""
-        c, memory = self.memory.chunk, self.memory
+        c, memory, b = self.memory.chunk, self.memory, self.base
         ways = [True] if memory.cuts_states else [False, *([True] if memory.cuts_live else [])]
         points = []
         for cut in ways:
-            for start, end in ((c, 2 * c), (2 * c, min(3 * c, self.length))):
+            for start, end in ((b + c, b + 2 * c), (b + 2 * c, min(b + 3 * c, self.end))):
                 fits = [m for m in range(1, (end - start) // grain) if end - start - m * grain >= min_batch
                         and (cut or m * grain >= min_batch)]
-                if not fits and start > c and not cut and 2 * min_batch >= c:
+                if not fits and start > b + c and not cut and 2 * min_batch >= c:
                     continue
                 if not fits:
                     return []
@@ -197,8 +202,8 @@ class _Probe:
         in its last chunk), or ends at k; then a prompt keeps k tokens and prefills the rest."""
         self._restart()
         chunk_start = k // self.memory.chunk * self.memory.chunk
-        previous = min(max(k + grain + 1, chunk_start + min_batch), self.length) if cut else k
-        self._prefill(self.memory.chunk, previous)
+        previous = min(max(k + grain + 1, chunk_start + min_batch), self.end) if cut else k
+        self._prefill(self.base + self.memory.chunk, previous)
         if cut:
             self.be.seq_rm(PROBE_SEQ, k, -1)
         return self._finish(k, room)
@@ -206,19 +211,19 @@ class _Probe:
     def _generated(self, grain: int, min_batch: int) -> bool:
         """At the pair found: a prefill into the second chunk, tokens decoded one per batch as a reply's are,
         then the rest from a reuse point past them; False where the chunk leaves no room for that."""
-        c = self.memory.chunk
-        k = c + -(-min_batch // grain) * grain
-        end = min(k + GENERATED, 2 * c - min_batch) // grain * grain
+        c, b = self.memory.chunk, self.base
+        k = b + c + -(-min_batch // grain) * grain
+        end = min(k + GENERATED, b + 2 * c - min_batch) // grain * grain
         if end <= k:
             return False
         self._restart()
-        self._decode(c, k)
+        self._decode(b + c, k)
         for pos in range(k, end):
             self._decode(pos, pos + 1)
         return self._finish(end) == self.cold
 
     def _finish(self, pos: int, room: int = 0) -> tuple[bytes, bytes]:
-        logits = self._prefill(pos, self.length, room)
+        logits = self._prefill(pos, self.end, room)
         return bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()
 
     def _prefill(self, pos: int, end: int, room: int = 0) -> np.ndarray:

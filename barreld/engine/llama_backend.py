@@ -145,6 +145,8 @@ class LlamaBackend:
         self.swa_window = max(0, L.llama_model_n_swa(m))
         self.memory = memory_kind(self.swa_window, L.llama_model_is_recurrent(m), L.llama_model_is_hybrid(m))
         self.swa_full = bool(settings.swa_full) and self.swa_window > 0
+        self.ring = self.swa_window > 0 and not self.swa_full
+        self._window_buf = bytearray()
         self.mrope = L.llama_model_rope_type(m) in (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
         # llama.cpp offloads the repeating layers and the output layer: n_layer + 1 in all.
         offloadable = L.llama_model_n_layer(m) + 1 if L.llama_supports_gpu_offload() else 0
@@ -225,6 +227,22 @@ class LlamaBackend:
         rc = self._L.llama_decode(self._ctx, b)
         if rc != 0:
             raise BackendError(f"llama_decode failed with code {rc}")
+        if self.ring and len(items) > 1 and all(it.seq == items[0].seq for it in items):
+            self._order_window(items[0].seq)
+
+    def _order_window(self, seq: int) -> None:
+        """Puts a ring's window cells back in position order from its first cell: its SWA part written and
+        read back (`LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`), as a restore lays them out (barreld.engine.memory)."""
+        L, partial = self._L, 1
+        size = L.llama_state_seq_get_size_ext(self._ctx, seq, partial)
+        if len(self._window_buf) < size:
+            self._window_buf = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(self._window_buf)
+        ok = L.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, partial) == size
+        ok = ok and L.llama_state_seq_set_data_ext(self._ctx, buf, size, seq, partial) == size
+        del buf
+        if not ok:
+            raise BackendError(f"could not put the sliding window of sequence {seq} back in order")
 
     def logits(self, index: int) -> np.ndarray:
         ptr = self._L.llama_get_logits_ith(self._ctx, index)

@@ -14,11 +14,14 @@ The rules rest on what llama.cpp was measured to do:
   tokens of a prompt's last chunk, when it held fewer than B, are never reused by a longer prompt.
 - full attention: the KV of a prefix does not depend on what follows it: restore anything, cut anywhere.
 - swa: a saved state holds only the last `window` cells of the sliding-window layers, so restored it is
-  usable at its own length only. A live sequence can be cut to K while its SWA layers still hold positions
-  K - window .. K - 1 (pos_min <= max(0, K - window)); seq_rm says yes even when they do not. Without
-  swa_full the live SWA cache is a ring: once it wraps, its cells lie in another order than a fresh run's and
-  later logits differ. Then a state is restored only if all of its cells were saved (at most `window`
-  tokens), and a live sequence is cut only if its ring never wrapped (pos_min == 0).
+  usable at its own length only. With swa_full a live sequence can be cut to K while its SWA layers still hold
+  positions K - window .. K - 1 (pos_min <= max(0, K - window)); seq_rm says yes even when they do not.
+  Without swa_full the live SWA cache is a ring of window + n_ubatch cells, as llama-server sizes it. Left to
+  itself it wraps, its cells then lie in another order than a restored state's and later logits differ; so
+  every prefill call on a ring ends with the window put back in position order from the first cell
+  (`Backend.decode`), which is the order a restore gives it, and a state of any length restores exactly at a
+  reuse point the probe proved (measured on Gemma 3: yes at chunk boundaries, no 4 tokens off them). A ring's
+  live sequence is never cut: once the window moves on, the cells a cut needs are gone.
 - recurrent and hybrid: the recurrent state exists at the last position only and seq_rm of a tail is
   refused: a state is usable at exactly its own length.
 """
@@ -73,7 +76,7 @@ class Memory:
     @property
     def cuts_live(self) -> bool:
         """Whether a live sequence can be cut back (still subject to `holds` for a sliding window)."""
-        return self.kind in (MemoryKind.FULL, MemoryKind.SWA)
+        return self.kind is MemoryKind.FULL or (self.kind is MemoryKind.SWA and self.swa_full)
 
     @property
     def summary(self) -> str:
@@ -88,7 +91,7 @@ class Memory:
             return "a state at its own length only"
         if self.swa_full:
             return f"live cuts at any {points}; restores at their own length"
-        return f"live cuts until the SWA ring wraps; restores of at most {self.window} tokens"
+        return f"restores at their own length at any {points} (an SWA ring: no live cuts)"
 
     def extendable(self, frontier: int) -> int:
         """How many of `frontier` prefilled tokens a longer prompt can reuse before the grain is applied: all
@@ -127,7 +130,7 @@ class Memory:
 
     def restorable(self, length: int) -> bool:
         """Whether a saved state of `length` tokens can be restored at all."""
-        return length > 0 and (self.kind is not MemoryKind.SWA or self.swa_full or length <= self.window)
+        return length > 0
 
     def live_point(
         self, held: int, frontier: int, matched: int, n: int, logits_at: int | None, pos_min: int = 0
@@ -154,7 +157,7 @@ class Memory:
         if self.kind is MemoryKind.FULL:
             return pos_min == 0
         if self.kind is MemoryKind.SWA:
-            return pos_min <= max(0, k - self.window) if self.swa_full else pos_min == 0
+            return pos_min <= max(0, k - self.window)
         return pos_min == k - 1
 
     def snapshot_point(self, n: int, kept: int) -> int:

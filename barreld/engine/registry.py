@@ -92,7 +92,7 @@ class LoadOptions:
     flash_attn: bool | None = None  # None: on for a sliding-window model (backend.resolve_flash_attn)
     type_k: str = "f16"
     type_v: str = "f16"
-    swa_full: bool | None = None  # None: on for a sliding-window model (live cuts stay exact)
+    swa_full: bool | None = None  # None: off, as llama-server: the window layers keep a ring (engine.memory)
     aliases: tuple[str, ...] = ()  # glob patterns of other names clients may ask for it by
     chat_template: str | None = None  # in place of the GGUF's own (a base model has none)
     stop: tuple[str, ...] = ()  # where its turn ends in a chat, beyond its end-of-turn token (a base model)
@@ -294,7 +294,7 @@ class ModelRegistry:
             type_v=KV_CACHE_TYPES[opts.type_v],
             # unset: on for a sliding-window model (resolve_flash_attn), and wherever a quantised V needs it
             flash_attn=True if opts.flash_attn is None and opts.type_v not in PLAIN_KV_TYPES else opts.flash_attn,
-            swa_full=opts.swa_full is not False,
+            swa_full=bool(opts.swa_full),
         )
         blocks = self._blocks_fit(name, policy, policy.chunk_size(opts.n_batch) or opts.n_batch)
         try:

@@ -83,34 +83,35 @@ def test_with_swa_full_a_live_sequence_cuts_exactly(tmp_path: Path) -> None:
     assert np.array_equal(prefill(be, 24, 48), cold(tmp_path, MemoryKind.SWA, 48, swa_full=True))
 
 
-def test_without_swa_full_the_ring_wraps_and_a_restore_differs_from_the_wrapped_cold_run(tmp_path: Path) -> None:
+def test_a_ring_puts_its_window_in_order_after_a_prefill_call_so_a_wrapped_state_restores_exactly(
+    tmp_path: Path,
+) -> None:
     be = backend(tmp_path, MemoryKind.SWA)
-    prefill(be, 0, 40)
-    assert be.seq_pos_range(0)[0] > 0  # past the ring: the first cells were overwritten
-    wrapped = prefill(be, 40, 56)
+    prefill(be, 0, 40)  # past the ring of 32 cells
+    state = be.state_get(0)
     be.seq_rm(0, 0, -1)
-    prefill(be, 0, 24)
-    long_state = be.state_get(0)
-    be.state_set(0, memoryview(long_state))
-    assert not np.array_equal(prefill(be, 24, 56), wrapped)
-    be.seq_rm(0, 0, -1)
-    prefill(be, 0, WINDOW)
-    short_state = be.state_get(0)  # every cell of it was saved
-    be.state_set(0, memoryview(short_state))
-    assert be.seq_pos_range(0) == (0, WINDOW - 1)
-    assert np.array_equal(prefill(be, WINDOW, 56), wrapped)
+    be.state_set(0, memoryview(state))
+    assert be.seq_pos_range(0) == (40 - WINDOW, 39)
+    assert np.array_equal(prefill(be, 40, 56), cold(tmp_path, MemoryKind.SWA, 56))
 
 
-def test_without_swa_full_a_live_cut_is_exact_only_while_the_ring_never_wrapped(tmp_path: Path) -> None:
+def test_tokens_decoded_alone_wrap_a_ring_out_of_the_order_a_restore_gives(tmp_path: Path) -> None:
+    def decoded(restore: bool) -> np.ndarray:
+        be = backend(tmp_path, MemoryKind.SWA)
+        prefill(be, 0, 24)
+        for p in range(24, 40):  # generated one at a time: the ring wraps at 32
+            be.decode([BatchItem(250, p, 0, True)])
+        if restore:
+            be.state_set(0, memoryview(be.state_get(0)))
+        return prefill(be, 40, 56)
+
+    assert not np.array_equal(decoded(False), decoded(True))
+
+
+def test_a_ring_past_its_window_holds_only_the_window(tmp_path: Path) -> None:
+    """So a live cut would lose cells: a ring's live sequence is never cut (barreld.engine.memory)."""
     be = backend(tmp_path, MemoryKind.SWA)
     prefill(be, 0, 30)
+    assert be.seq_pos_range(0) == (30 - WINDOW, 29)
     be.seq_rm(0, 16, -1)
-    assert be.seq_pos_range(0)[0] == 0
-    assert np.array_equal(prefill(be, 16, 48), cold(tmp_path, MemoryKind.SWA, 48))
-    be.seq_rm(0, 0, -1)
-    prefill(be, 0, 24)
-    for p in range(24, 40):  # generated one at a time: the ring wraps at 32
-        be.decode([BatchItem(250, p, 0, True)])
-    be.seq_rm(0, 24, -1)
-    assert be.seq_pos_range(0)[0] > 0
-    assert not np.array_equal(prefill(be, 24, 48), cold(tmp_path, MemoryKind.SWA, 48))
+    assert be.seq_pos_range(0) == (30 - WINDOW, 15)

@@ -93,7 +93,7 @@ def test_the_grain_is_the_chunk_unless_a_finer_one_is_given() -> None:
         (SWA, 1000, 1000, 1200, 1000, 0),  # not a chunk boundary, and not the whole prompt
         (SWA, 1000, 1000, 1000, 1000, 1000),  # the whole prompt with its logits
         (SWA, 1000, 1000, 1000, None, 0),  # ... without them there is nothing to sample from
-        (RING, 1024, 1024, 1200, None, 0),  # without swa_full only a state of at most a window
+        (RING, 1024, 1024, 1200, None, 1024),  # past the window too: a ring's prefill leaves it in order
         (RING, 512, 512, 1200, None, 512),
         (RECURRENT, 256, 256, 300, None, 256),
         (RECURRENT, 256, 255, 300, None, 0),
@@ -115,10 +115,11 @@ def test_live_points_cut_full_and_window_memories_and_take_recurrent_ones_whole(
 
 
 def test_a_window_is_cut_live_only_while_it_still_holds_the_cells_below_the_cut() -> None:
-    """llama.cpp's lowest position: a cut to 960 needs 448..959 in the window (swa_full), 0.. in a ring."""
+    """llama.cpp's lowest position: a cut to 960 needs 448..959 in the window."""
     assert SWA.live_point(1012, 1000, 1012, 1100, 1000, pos_min=448) == 960
     assert SWA.live_point(1012, 1000, 1012, 1100, 1000, pos_min=449) == 0
     assert RING.live_point(1012, 1000, 1012, 1100, 1000, pos_min=1) == 0
+    assert RING.live_point(1012, 1000, 1012, 1100, 1000, pos_min=0) == 0  # a ring is never cut
     assert FULL.live_point(1012, 1000, 1012, 1100, 1000, pos_min=449) == 960  # only a window drops cells
 
 
@@ -131,8 +132,8 @@ def test_a_window_is_cut_live_only_while_it_still_holds_the_cells_below_the_cut(
         (SWA, 1024, (512, 1023), True),  # a restored state: its last window
         (SWA, 640, (512, 639), False),  # ... cut: positions 128..511 are gone, though seq_rm said yes
         (SWA, 640, (0, 639), True),
-        (RING, 640, (0, 639), True),  # a ring that never wrapped
-        (RING, 896, (192, 895), False),  # a wrapped ring: cells in another order than a fresh run's
+        (RING, 896, (384, 895), True),  # a restored state: its last window
+        (RING, 896, (385, 895), False),
         (RECURRENT, 256, (255, 255), True),
         (HYBRID, 128, (255, 255), False),  # seq_rm refused: the state is still at 256
         (FULL, 0, (-1, -1), True),
@@ -147,11 +148,11 @@ def test_holds_reads_llama_cpps_account_of_the_positions(
 def test_snapshots_and_indexing_for_memories_that_cannot_be_cut() -> None:
     assert FULL.snapshot_point(700, 0) == 0  # a full state is cut when it is saved instead
     assert SWA.snapshot_point(700, 0) == 640 and SWA.snapshot_point(700, 700) == 700
-    assert RING.snapshot_point(700, 0) == 0 and RING.snapshot_point(500, 0) == 448
+    assert RING.snapshot_point(700, 0) == 640 and RING.snapshot_point(500, 0) == 448
     assert FULL.indexed_at(512, 700) and not FULL.indexed_at(768, 700)
     assert RECURRENT.indexed_at(768, 640) and not RECURRENT.indexed_at(512, 640)
     assert RECURRENT.reusable(640, False) and not RECURRENT.reusable(650, False) and RECURRENT.reusable(650, True)
-    assert not RING.reusable(640, True) and FULL.reusable(10, True) and not FULL.reusable(10, False)
+    assert RING.reusable(640, True) and FULL.reusable(10, True) and not FULL.reusable(10, False)
 
 
 @given(
@@ -188,8 +189,8 @@ def test_boundary_snapshots_land_on_chunk_boundaries_below_message_ends_spaced_b
     assert boundary_cache(Memory(MemoryKind.SWA, window=24, chunk=4), gap="auto").snapshot_gap == 12
     assert boundary_cache(recurrent, gap="infinity").boundary_points(50, 0, [13, 37]) == frozenset()
     assert boundary_cache(Memory(MemoryKind.FULL, chunk=8)).boundary_points(50, 0, [13, 37]) == frozenset()
-    ring = Memory(MemoryKind.SWA, window=24, chunk=8)  # without swa_full a state past the window is not restorable
-    assert boundary_cache(ring).boundary_points(50, 0, [13, 37]) == {8}
+    ring = Memory(MemoryKind.SWA, window=24, chunk=8)  # without swa_full: past the window too, the gap apart
+    assert boundary_cache(ring).boundary_points(50, 0, [13, 37]) == {8, 32}
     # prefix lookups walk every chunk boundary where snapshots may lie, the alignment otherwise
     assert cache.prefix_points(40) == [32, 24, 16, 8]
     assert boundary_cache(recurrent, gap="infinity").prefix_points(40) == [32, 16]

@@ -161,15 +161,15 @@ def test_a_knob_changes_the_key_exactly_when_it_changes_the_state(
     assert (base.key(b"x", DEFAULT) != other.key(b"x", DEFAULT)) is changes
 
 
-def test_swa_full_is_on_by_default_and_in_the_key_of_a_sliding_window_model(
+def test_swa_full_is_off_by_default_and_in_the_key_of_a_sliding_window_model(
     registry: ModelRegistry, tmp_path: Path
 ) -> None:
     path = write_gguf(tmp_path / "swa.gguf", memory=MemoryKind.SWA, window=16)
     default = registry.load("default", opts(path))
     on, off = registry.load("on", opts(path, swa_full=True)), registry.load("off", opts(path, swa_full=False))
-    assert default.memory.swa_full and not off.memory.swa_full and default.memory.window == 16
+    assert on.memory.swa_full and not default.memory.swa_full and default.memory.window == 16
     keys = [m.worker.cache.key(b"x", DEFAULT) for m in (default, on, off)]
-    assert keys[0] == keys[1] != keys[2]
+    assert keys[0] == keys[2] != keys[1]
 
 
 def test_close_unloads_every_model_and_counts_its_shutdown_saves(engine: Engine) -> None:

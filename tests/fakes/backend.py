@@ -185,6 +185,8 @@ class FakeBackend:
             digest = self.seqs[it.seq].add(it.pos, it.token, split)
             if it.logits:
                 self._last[i] = logits_of(digest)
+        if self.swa_window and not self.swa_full and len(runs) == 1 and len(items) > 1:
+            self.seqs[items[0].seq].order_window()
 
     def _split(self, run: list[int]) -> bytes:
         """What of its batch a token's KV depends on: being alone, or on a split-sensitive model the run."""

@@ -14,7 +14,8 @@ What each kind keeps:
 - swa: every cell in the base layers, plus an SWA cache of slots: with swa_full as many as the context, else a
   ring of window + n_batch slots whose masked cells (window or more behind the newest) are overwritten, in
   slot order from a head that a removal moves back. A saved state holds the last `window` SWA cells only, and
-  a restore puts them in the first slots. Positions reported are the SWA cache's.
+  a restore puts them in the first slots; so does a ring's prefill call at its end (`order_window`).
+  Positions reported are the SWA cache's.
 - recurrent: the digest and position of the last token only; removing a tail is refused.
 - hybrid: attention cells plus the recurrent tip; removing a tail is refused (the recurrent part answers
   first), and positions reported are the recurrent part's.
@@ -129,6 +130,12 @@ class SeqMemory:
             return []
         by_pos = {c.pos: c for c in self.cells}
         return [by_pos[p] for p in sorted(self.swa.values()) if self.tip.pos - p < self.window]
+
+    def order_window(self) -> None:
+        """The saved window put back in the first slots, as llama.cpp's partial state round trip does."""
+        window = self.saved_window()
+        self.swa = {slot: c.pos for slot, c in enumerate(window)}
+        self.head = len(window) % self.slots
 
     def load(self, cells: list[Cell], window: list[Cell], tip: Cell | None) -> None:
         """A restored state: attention cells, SWA cells in the first slots, the recurrent tip."""
