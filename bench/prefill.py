@@ -13,10 +13,10 @@ each round; llama-server also gets `cache_prompt: false`), `--rounds` times: eve
 asked in an order that rotates. Prefill tokens/s is the prompt's tokens over the server's own prefill time:
 barreld's timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention,
 a 32k context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full off, the window layers
-a ring put back in order after every prefill call; flash attention on for a sliding-window model and off for the others, prefill chunks of 128 = n_batch / 4,
-a prefill alone taking as many chunks a llama.cpp call as n_batch holds where the load-time probe proves that
-exact), then one knob set at a time: swa_full on, flash attention on, off, one chunk a call (`reuse_grain =
-128`: no probe, so nothing proven).
+a ring put back in order after every prefill call; flash attention on for a sliding-window model and off
+for the others; prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a llama.cpp call
+as n_batch holds where the load-time probe proves that exact), then one knob set at a time: swa_full on,
+flash attention on, off, one chunk a call (`reuse_grain = 128`: no probe, so nothing proven).
 llama-server: `-c N -b 512` and its defaults (flash attention `auto`, which is on here), every core. Beside them
 the floor (bench.prefill_floor, a child process): the same prompt through barreld's backend in a loop, in the
 calls barreld's defaults make, with no server around it; barreld's defaults over the floor are what the daemon
