@@ -39,7 +39,6 @@ from barreld.engine.backend import Backend, BackendError, BatchItem, ContextSett
 from barreld.engine.memo import JsonMemo, cache_dir, verdict_key
 from barreld.engine.memory import Memory
 from barreld.engine.plan import call_end
-from barreld.names import MemoryKind
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +135,7 @@ class _Probe:
         self.be, self.memory = backend, memory
         c = memory.chunk
         # An SWA ring is probed past the point where it wraps: its warm starts restore a wrapped window.
-        ring = memory.kind is MemoryKind.SWA and not memory.swa_full
-        self.base = -(-(memory.window + backend.n_batch) // c) * c if ring else 0
+        self.base = -(-(memory.window + backend.n_batch) // c) * c if memory.ring else 0
         self.end = self.base + 2 * c + c // 2 + 7  # crosses two chunk boundaries past base, ends inside a chunk
         if c < 8 or self.end + 8 > backend.n_ctx:
             raise ValueError(f"no room for a probe of {self.end} tokens in chunks of {c}")

@@ -74,9 +74,14 @@ class Memory:
         return self.kind is MemoryKind.FULL
 
     @property
+    def ring(self) -> bool:
+        """A sliding window kept as llama.cpp's ring of window + n_ubatch cells (swa_full off)."""
+        return self.kind is MemoryKind.SWA and not self.swa_full
+
+    @property
     def cuts_live(self) -> bool:
         """Whether a live sequence can be cut back (still subject to `holds` for a sliding window)."""
-        return self.kind is MemoryKind.FULL or (self.kind is MemoryKind.SWA and self.swa_full)
+        return self.kind is MemoryKind.FULL or (self.kind is MemoryKind.SWA and not self.ring)
 
     @property
     def summary(self) -> str:
@@ -118,7 +123,7 @@ class Memory:
         prompt's first `matched` tokens are the state's; 0 when the rules refuse it."""
         if self.cuts_states:
             return self.aligned(length, matched, n, logits_at)
-        if length > min(matched, n) or not self.restorable(length):
+        if not 0 < length <= min(matched, n):
             return 0
         return length if self.aligned(length, length, n, logits_at) == length else 0
 
@@ -127,10 +132,6 @@ class Memory:
         the same one again."""
         longer = self.restore_point(length, length, length + 2, None) > 0
         return longer or (logits and self.restore_point(length, length, length, length) > 0)
-
-    def restorable(self, length: int) -> bool:
-        """Whether a saved state of `length` tokens can be restored at all."""
-        return length > 0
 
     def live_point(
         self, held: int, frontier: int, matched: int, n: int, logits_at: int | None, pos_min: int = 0
@@ -166,8 +167,7 @@ class Memory:
         if self.cuts_states:
             return 0
         exact_end = kept == n or self.aligned(n, n, n + 2, None) == n
-        point = n if exact_end else n // self.chunk * self.chunk
-        return point if self.restorable(point) else 0
+        return n if exact_end else n // self.chunk * self.chunk
 
     def indexed_at(self, boundary: int, frontier: int) -> bool:
         """Whether a state of `frontier` prefilled tokens is worth finding under a prefix of `boundary`

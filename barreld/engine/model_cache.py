@@ -168,7 +168,7 @@ class ModelCache:
         points = []
         for p in sorted({m // chunk * chunk for m in marks}):
             spaced = p - last >= gap and p < end and (end - p >= chunk or gap <= chunk)
-            if spaced and self.memory.restorable(p) and self.policy.allows_save(p):
+            if spaced and p > 0 and self.policy.allows_save(p):
                 points.append(p)
                 last = p
         return frozenset(points)
