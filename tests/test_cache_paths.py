@@ -262,7 +262,7 @@ def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> No
                    "gemma_ring": ("swa", 512, False, CHUNK), "mamba": ("recurrent", 0, False, CHUNK),
                    "lfm2": ("hybrid", 0, False, CHUNK)}
     assert models["mamba"]["reuse"] == "a state at its own length only" and models["smollm2"]["n_threads"] == 1
-    table = warm.ctl("models", COLUMNS="250").out
+    table = warm.ctl("models", COLUMNS="400").out
     assert "swa(512)" in table and "hybrid" in table and "restores and cuts at any" in table
     reuse = {name: m["exact_reuse"] for name, m in models.items()}
     assert all(r["source"] in ("probe", "memo") and CHUNK % r["grain"] == 0 for r in reuse.values()), reuse

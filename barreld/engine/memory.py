@@ -96,7 +96,7 @@ class Memory:
             return "a state at its own length only"
         if self.swa_full:
             return f"live cuts at any {points}; restores at their own length"
-        return f"restores at their own length at any {points} (an SWA ring: no live cuts)"
+        return f"a ring: restores at their own length at any {points}"
 
     def extendable(self, frontier: int) -> int:
         """How many of `frontier` prefilled tokens a longer prompt can reuse before the grain is applied: all
