@@ -174,12 +174,16 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
     ]
     expected = expected_routes(model, first.prompt_tokens)
     grain = grains(warm)[model]
+    references = {turn1: ref}  # a cold prefill at temperature 0 replies the same every time: asked once
     for case, prompt, parent in cases:
         if case not in ("live", "midway"):
             flush(warm, model)
-        flush(cold, model)
         refused = counters(warm)["reuse_refused"]
-        got, ref = ask(warm, model, prompt, parent), ask(cold, model, prompt)
+        got = ask(warm, model, prompt, parent)
+        if prompt not in references:
+            flush(cold, model)
+            references[prompt] = ask(cold, model, prompt)
+        ref = references[prompt]
         assert ref.route == "miss" and got.text == ref.text, (case, got.route, got.restored)
         if case == "midway" and (MODELS[model].memory in ("recurrent", "hybrid") or model == "gemma_ring"):
             # the live sequence shares half of its prompt, but a recurrent state exists at its end only, and a

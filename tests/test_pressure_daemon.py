@@ -89,18 +89,18 @@ def test_evicting_ram_rows_gives_memory_back_to_the_os() -> None:
         w.start_daemon()
         pid = json.loads(w.ctl("--json", "daemon", "status").out)["pid"]
         i = 0
-        while w.ctl("--json", "cache", "stats").json()["tiers"]["ram"]["bytes"] < 210 * 2**20:  # blocks included
+        while w.ctl("--json", "cache", "stats").json()["tiers"]["ram"]["bytes"] < 110 * 2**20:  # blocks included
             complete(w, doc(600 + i, 560), "--model", "r")
             i += 1
         complete(w, "Unrelated short prompt.", "--model", "r", "--max-tokens", "2")
         time.sleep(0.5)
         rss_before = psutil.Process(pid).memory_info().rss
-        r = w.ctl("--json", "cache", "evict-bytes", "200M", "--tier", "ram")
+        r = w.ctl("--json", "cache", "evict-bytes", "100M", "--tier", "ram")
         assert r.rc == 0, r.err
         freed = r.json()["bytes_freed"]
-        assert freed >= 200 * 2**20
+        assert freed >= 100 * 2**20
         rss_after = psutil.Process(pid).memory_info().rss
-        assert rss_before - rss_after >= 150 * 2**20, (rss_before, rss_after, freed)
+        assert rss_before - rss_after >= 75 * 2**20, (rss_before, rss_after, freed)
 
 
 def test_nvidia_smi_without_the_tool_reports_unavailable() -> None:

@@ -85,12 +85,24 @@ def settle(w: Sandbox, reply: dict) -> dict:
 
 def served(w: Sandbox, cold: Sandbox, prompt: str) -> dict:
     """`prompt`'s reply on w, asserted equal to the cold reference's."""
-    for box in (w, cold):  # leave no live sequence that shares a head with the prompt
-        complete(box, "Zebras flush the context.", "--max-tokens", "2")
-    got, ref = complete(w, prompt), complete(cold, prompt)
-    assert ref["cache"]["path"] == "miss"
-    assert got["text"] == ref["text"], got["cache"]
+    complete(w, "Zebras flush the context.", "--max-tokens", "2")  # nothing live shares a head with the prompt
+    got = complete(w, prompt)
+    assert got["text"] == reference(cold, prompt)["text"], got["cache"]
     return got
+
+
+_REFERENCES: dict[tuple[str, str], dict] = {}
+
+
+def reference(cold: Sandbox, prompt: str) -> dict:
+    """The cold daemon's reply to `prompt`, asked once: a cold prefill at temperature 0 replies the same every
+    time, and the hosts ask for most prompts twice."""
+    key = (str(cold.base), prompt)
+    if key not in _REFERENCES:
+        complete(cold, "Zebras flush the context.", "--max-tokens", "2")
+        ref = _REFERENCES[key] = complete(cold, prompt)
+        assert ref["cache"]["path"] == "miss"
+    return _REFERENCES[key]
 
 
 def local_rows(w: Sandbox) -> set[str]:

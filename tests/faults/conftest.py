@@ -1,7 +1,7 @@
 """The whole-daemon fault suite: every test here is marked `faults` (and `model`: it runs the real model),
 so `pytest -m 'not faults'` skips it while `.ci/run` (plain `pytest -q`) runs it.
 
-Knobs for a longer hunt (the defaults are what CI runs): FAULTS_KILLS (SIGKILLs, default 50),
+Knobs for a longer hunt (the defaults are what CI runs): FAULTS_KILLS (SIGKILLs, default 40),
 FAULTS_FUZZ_EXAMPLES (default 150) and FAULTS_FUZZ_RANDOM=1 (new fuzz examples instead of the fixed set).
 Run with `-s` to see each part's counts."""
 

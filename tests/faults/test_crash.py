@@ -19,7 +19,7 @@ from tests.support.sandbox import Sandbox
 from . import util
 from .util import POLICY, complete, rows
 
-KILLS = int(os.environ.get("FAULTS_KILLS", "50"))
+KILLS = int(os.environ.get("FAULTS_KILLS", "40"))
 MAX_TOKENS = 12
 # Small quotas keep `cache verify` quick (checkpoints are ~4.6 MB); each life starts with half free, more
 # than one life's saves take, so no save has to evict a row published before the kill.
