@@ -154,10 +154,15 @@ class RedisServer:
         log = self.workdir / "redis.log"
         return log.read_text(errors="replace") if log.exists() else "(no log)"
 
-    def close(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM, without waiting: a primary then waits for its replicas, so a cluster signals every node first."""
         if self.proc is not None and self.proc.poll() is None:
             self.resume()
             self.proc.terminate()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -288,6 +293,8 @@ class ClusterSandbox:
                 c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner)
 
     def close(self) -> None:
+        for node in self.nodes:
+            node.terminate()
         for node in self.nodes:
             node.close()
 

@@ -152,6 +152,20 @@ def _copy_tokenizer(w, chat_template: str = "") -> int:
     return n_vocab
 
 
+def gguf_string(path: Path, key: str) -> str:
+    """One string of a GGUF's metadata, read with Barrel's own reader: gguf.GGUFReader parses every value first
+    (3 s for SmolLM2, paid by every test worker that imports a module asking for its template)."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        r = _GGUFReader(buf, path)
+        r.pos = 16
+        for _ in range(r.u64()):
+            name, vtype = r.string().decode(), r.u32()
+            if name == key and vtype == 8:
+                return r.string().decode()
+            r.value(vtype)
+    raise KeyError(f"{path} has no string {key}")
+
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 

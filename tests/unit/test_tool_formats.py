@@ -11,7 +11,6 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import gguf
 import pytest
 
 from barreld.engine.callformats import GENERIC, Family, family_of
@@ -22,6 +21,7 @@ from barreld.engine.tools import GENERIC as GENERIC_TEXT
 from barreld.engine.tools import CallStream, ToolCall, forced_grammar, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
 from tests.support.llama_sources import family_named, template
+from tests.support.sandbox_models import gguf_string
 
 WEATHER = tool("get_weather", "The weather now", {"type": "object", "properties": {"city": {"type": "string"}},
                                                   "required": ["city"]}, "tools[0]")
@@ -35,9 +35,7 @@ HISTORY = (Message("user", "Weather in Paris?"),)
 
 @functools.cache
 def smollm2_template() -> str:
-    reader = gguf.GGUFReader(bundled_model_path("smollm2"))
-    field = reader.fields["tokenizer.chat_template"]
-    return bytes(field.parts[field.data[0]]).decode()
+    return gguf_string(bundled_model_path("smollm2"), "tokenizer.chat_template")
 
 
 def draw(template: str, messages: tuple[Message, ...]) -> str:
