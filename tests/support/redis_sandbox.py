@@ -30,11 +30,20 @@ class RedisMissing(RuntimeError):
     """redis-server is not on PATH."""
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the server retries if another process takes it first)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(bus: bool = False) -> int:
+    """A loopback port nobody listens on right now (the server retries if another process takes it first); with
+    `bus`, one whose cluster bus port (10,000 above it) is free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not bus:
+            return port
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port + 10000))
+            return port
 
 
 class RedisServer:
@@ -60,11 +69,14 @@ class RedisServer:
         if tls:
             server._make_certificate()
         for _ in range(5):
-            server.port = free_port()
+            server.port = free_port(bus=cluster)
             if server._spawn(binary):
                 return server
+            server.kill()  # one too slow to answer too: the next try reuses its directory and nodes.conf
+            (server.workdir / "nodes.conf").unlink(missing_ok=True)
+        log = server.log_text()
         server.close()
-        raise RuntimeError(f"redis-server would not start:\n{server.log_text()}")
+        raise RuntimeError(f"redis-server would not start:\n{log}")
 
     def __enter__(self) -> RedisServer:
         return self
