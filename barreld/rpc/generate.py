@@ -1,6 +1,8 @@
 """Regenerate barrel_pb2*.py from proto/barrel.proto.
 
 Run from the repository root: `python -m barreld.rpc.generate` (needs the `test` extra for grpcio-tools).
+The extra pins grpcio-tools to one release: its version is written into the generated code, so a looser pin
+lets a new release make the committed files stale on a fresh install.
 `--out DIR` writes elsewhere; the staleness test uses it to compare against the committed files.
 """
 
