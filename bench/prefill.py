@@ -13,8 +13,8 @@ each round; llama-server also gets `cache_prompt: false`), `--rounds` times: eve
 asked in an order that rotates. Prefill tokens/s is the prompt's tokens over the server's own prefill time:
 barreld's timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention,
 a 32k context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full off, the window layers
-a ring put back in order after every prefill call; flash attention on for a sliding-window model and off
-for the others; prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a llama.cpp call
+a ring put back in order after every prefill call; flash attention off, as for every model without
+swa_full; prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a llama.cpp call
 as n_batch holds where the load-time probe proves that exact), then one knob set at a time: swa_full on,
 flash attention on, off, one chunk a call (`reuse_grain = 128`: no probe, so nothing proven).
 llama-server: `-c N -b 512` and its defaults (flash attention `auto`, which is on here), every core. Beside them
@@ -137,7 +137,7 @@ def floor_rate(model: Model, work: Path, prompt: str) -> float:
     """bench.prefill_floor's tokens/s for this prompt on barreld's default settings, in a child process."""
     text = work / "prompt.txt"
     text.write_text(prompt)
-    flags = [] if model.sliding else ["--no-flash-attn"]
+    flags = ["--no-flash-attn"]  # barreld's default: on only with swa_full
     out = subprocess.run([sys.executable, "-m", "bench.prefill_floor", str(model.path), str(text), str(model.n_ctx),
                           *flags], capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(out.stdout)["rate"]
@@ -179,7 +179,7 @@ def measure(tokens: int, rounds: int) -> Table:
         t.add(model.name, FLOOR, f"{n:,}", f"{median(rates[FLOOR]):.0f}", ratio(median(rates[FLOOR]), ls))
     t.note = (f"Medians of {rounds} rounds, the servers' order rotating; each request cold (another first line "
               "each round), one token generated; prefill time as each server reports it. barreld's defaults are "
-              "swa_full off and flash attention on for Gemma (a sliding window), flash attention off for SmolLM2, "
+              "swa_full off and flash attention off (on only with swa_full, as the 'swa_full on' row runs), "
               "chunks of n_batch / 4 = 128 and, for a prefill alone, as many chunks a call as n_batch (512) holds "
               "where the probe proves it exact; each other row sets one of them. llama-server's flash attention "
               "`auto` is on here.")

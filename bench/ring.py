@@ -10,7 +10,7 @@ warm start from a saved state gets other logits than the cold run it stands for.
 window out and reads it back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) after every prefill call, which lays it out
 as a restore does (barreld.engine.memory); this measures both ways, and what the ordering costs.
 
-Method. Gemma 3 270M, barreld's backend with its defaults for it (flash attention on, n_batch 512, swa_full
+Method. Gemma 3 270M, barreld's backend with its defaults for it (flash attention off, n_batch 512, swa_full
 off), `--tokens` random tokens. For each way (the ring as llama.cpp leaves it: the backend's ordering switched
 off; ordered, as barreld runs) and each call size (128 tokens, barreld's chunk; 512, a prefill alone taking
 four chunks a call): a cold prefill in calls ending on multiples of the call size, its last logits and 20
@@ -93,7 +93,8 @@ def measure(n: int) -> tuple[Table, Table]:
     rng = random.Random(1)
     tokens = [rng.randrange(1000, 30000) for _ in range(n)]
     be = LlamaBackend(gemma_path(), ContextSettings(n_ctx=4096, n_batch=N_BATCH, flash_attn=None))
-    t = Table(f"Warm starts on Gemma 3's SWA ring (swa_full off, window {be.swa_window}, flash attention on), "
+    fa = "on" if be.flash_attn else "off"
+    t = Table(f"Warm starts on Gemma 3's SWA ring (swa_full off, window {be.swa_window}, flash attention {fa}), "
               f"a prompt of {n:,} tokens", ["window", "calls of", "warm from K", "K past the ring", "max |logit diff|",
                                             f"{GREEDY} greedy tokens as cold"])
     try:

@@ -37,17 +37,21 @@ class ContextSettings:
     n_gpu_layers: int = -1  # layers to offload: -1 all that the build can, 0 none
     type_k: int = 1  # GGML_TYPE_F16
     type_v: int = 1
-    flash_attn: bool | None = False  # None: on for a sliding-window model (`resolve_flash_attn`)
+    flash_attn: bool | None = False  # None: on for a sliding-window model with swa_full (`resolve_flash_attn`)
     swa_full: bool = False  # keep every SWA cell in the live context, not just the last window
     n_ubatch: int = 0  # rows llama.cpp computes at once; 0: n_batch (bench.ubatch measures smaller ones)
 
 
-def resolve_flash_attn(asked: bool | None, sliding_window: int) -> bool:
-    """Flash attention as asked, or where nothing was asked, on for a model with a sliding window only.
-    Measured here: it prefills Gemma 3's 12,000-token agent head 1.5x faster, SmolLM2's 8,000 no faster, and
-    its CPU kernel's other path under 64 rows makes every warm start prefill 64 tokens at least
-    (barreld.engine.exactness), which cost a full-attention chat more time to first token than it saved."""
-    return sliding_window > 0 if asked is None else asked
+def resolve_flash_attn(asked: bool | None, sliding_window: int, swa_full: bool) -> bool:
+    """Flash attention as asked, or where nothing was asked, on only for a sliding-window model whose window
+    layers keep full-length caches (swa_full). Measured here: there it prefilled Gemma 3's 12,000-token agent
+    head 1.5x faster; with the window layers in a ring (swa_full off, the default) Gemma prefilled faster
+    without it, the more so the longer the prompt (3,000 tokens 1.03x, 12,000 1.11x, 24,000 1.18x), its warm
+    starts exact at the same points (the load-time probe's verdict is the same both ways); SmolLM2 prefilled
+    no faster with it, and its CPU kernel's other path under 64 rows makes every warm start prefill 64 tokens
+    at least (barreld.engine.exactness), which cost a full-attention chat more time to first token than it
+    saved."""
+    return sliding_window > 0 and swa_full if asked is None else asked
 
 
 class Backend(Protocol):

@@ -89,7 +89,7 @@ class LoadOptions:
     fingerprint: Fingerprint = Fingerprint()
     n_threads: int | None = None  # None: the usable cores
     n_gpu_layers: int = -1  # -1: every layer the build can offload
-    flash_attn: bool | None = None  # None: on for a sliding-window model (backend.resolve_flash_attn)
+    flash_attn: bool | None = None  # None: on for a sliding-window model with swa_full (backend.resolve_flash_attn)
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool | None = None  # None: off, as llama-server: the window layers keep a ring (engine.memory)
@@ -292,7 +292,7 @@ class ModelRegistry:
             n_gpu_layers=opts.n_gpu_layers,
             type_k=KV_CACHE_TYPES[opts.type_k],
             type_v=KV_CACHE_TYPES[opts.type_v],
-            # unset: on for a sliding-window model (resolve_flash_attn), and wherever a quantised V needs it
+            # unset: as resolve_flash_attn says, and on wherever a quantised V needs it
             flash_attn=True if opts.flash_attn is None and opts.type_v not in PLAIN_KV_TYPES else opts.flash_attn,
             swa_full=bool(opts.swa_full),
         )

@@ -141,12 +141,13 @@ KNOBS = [  # (option, value, whether it changes the bytes of a state, so the key
 ]
 
 
-def test_flash_attention_unset_is_on_for_a_sliding_window_model_and_wherever_a_quantised_v_needs_it(
+def test_flash_attention_unset_is_on_for_a_sliding_window_model_with_swa_full_and_wherever_a_quantised_v_needs_it(
     registry: ModelRegistry, tmp_path: Path
 ) -> None:
     full, swa = write_gguf(tmp_path / "full.gguf"), write_gguf(tmp_path / "swa.gguf", memory=MemoryKind.SWA, window=16)
     assert not registry.load("full", opts(full)).worker.backend.flash_attn
-    assert registry.load("swa", opts(swa)).worker.backend.flash_attn
+    assert not registry.load("ring", opts(swa)).worker.backend.flash_attn
+    assert registry.load("swa", opts(swa, swa_full=True)).worker.backend.flash_attn
     assert registry.load("q", opts(full, type_v="q8_0")).worker.backend.flash_attn
     assert not registry.load("off", opts(swa, flash_attn=False)).worker.backend.flash_attn
 
