@@ -23,6 +23,7 @@ COUNTER_NAMES: tuple[str, ...] = (
     "opening_tokens",
     "next_forms",  # replies settled in the form the next turn writes them (a call rewritten, thoughts dropped)
     "boundary_snapshots",
+    "end_snapshots",  # a prompt's state at its own end, where its finish row keeps it only at a chunk boundary
     "lookup_ns",
     "restore_ns",
     "save_ns",

@@ -218,12 +218,26 @@ class ModelCache:
         queues it, which the worker does once the prompt is in, so that the writer's work on it (blocks,
         hashes, files, the commit) does not run beside the prefill. A side row: the sequence's own checkpoint
         (`stored_key`, `origin`) is left as it is."""
+        return self._snapshot(seq, "boundary_snapshots")
+
+    def end_snapshot(self, seq: Sequence) -> Callable[[], object] | None:
+        """The save of a prompt's state at its very end, with its logits, as a side row like a boundary
+        snapshot's, for a memory that cannot be cut whose own snapshot (what the finish row stores) lies at a
+        chunk boundary short of that end: the same prompt sent again (a retry, an agent session replayed after a
+        restart) then restores whole, rather than prefilling up to a chunk again at the full length of its
+        context. Such a state serves nothing else: it restores only at its own length, with its logits."""
+        return self._snapshot(seq, "end_snapshots") if self.snapshots_boundaries else None
+
+    def _snapshot(self, seq: Sequence, counter: str) -> Callable[[], object] | None:
         if self.store is None or self._dropped():
             return None
+        t0 = time.perf_counter_ns()
         rendered = bytes(seq.rendered)
         prepared = self._prepared(seq, SaveReason.COLD, rendered, self.key(rendered, seq.namespace))
+        self.count("snapshot_ns", time.perf_counter_ns() - t0)
         if prepared is None:
             return None
+        self.count(counter)
         store, tier, (ckpt, prefixes) = self.store, self.tier, prepared
         return lambda: store.save(ckpt, tier, prefixes, sync=False)
 

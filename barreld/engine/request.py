@@ -142,7 +142,7 @@ class Request:
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
     boundaries: frozenset[int] = frozenset()  # prompt lengths at which to store a snapshot as its own row
-    snapshot_saves: list[Callable[[], object]] = field(default_factory=list)  # read, queued once the prefill ends
+    snapshot_saves: list[Callable[[], object] | None] = field(default_factory=list)  # read; queued after the prefill
     snapshot_at: int = 0  # prompt length at which to copy the state of a memory that cannot be cut (0: none)
     stops: frozenset[int] = frozenset()  # the three above: where a prefill call that holds several chunks ends
     prefill_started: float = 0.0

@@ -361,25 +361,22 @@ class ModelWorker:
             seq.append(t, self.backend.piece(t), prefilled=True)
         seq.frontier_logits = logits
         if end in req.boundaries:
-            t0 = time.perf_counter_ns()
-            save = self.cache.boundary_snapshot(seq)
-            if save is not None:
-                req.snapshot_saves.append(save)
-                self.cache.count("boundary_snapshots")
-            self.cache.count("snapshot_ns", time.perf_counter_ns() - t0)
+            req.snapshot_saves.append(self.cache.boundary_snapshot(seq))
         elif end == req.cold_at:
             self.cache.save_async(seq, SaveReason.COLD)
         if end == req.snapshot_at:
             self.starts.snapshot(seq)
         if end == len(req.target):
             req.timings.prefill = time.perf_counter() - req.prefill_started
+            if req.snapshot_at != end:
+                req.snapshot_saves.append(self.cache.end_snapshot(seq))
             self._take(req, logits)
             self._queue_snapshots(req)
 
     @staticmethod
     def _queue_snapshots(req: Request) -> None:
-        """The boundary snapshots read during the prefill go to the writers now that it is over."""
-        for save in req.snapshot_saves:
+        """The snapshots read during the prefill go to the writers now that it is over."""
+        for save in filter(None, req.snapshot_saves):
             save()
         req.snapshot_saves.clear()
 

@@ -82,6 +82,28 @@ def test_exact_after_a_restart_samples_from_the_stored_logits(engine: Engine, ki
     assert reply.text == first.text == engine.cold(a).text
 
 
+def test_the_same_prompt_ending_off_a_chunk_boundary_restores_whole_after_a_restart(engine: Engine, kind: str) -> None:
+    """A memory that cannot be cut keeps a finish state at the prompt's last chunk boundary (40), so the
+    prompt's end is stored as a row of its own, with its logits: every kind takes all 43 tokens back."""
+    a, first = finished(engine, 43, 13)
+    cuts = engine.registry.get("m").memory.cuts_states
+    assert (engine.counter("end_snapshots") > 0) is not cuts  # one a prompt `finished` tried
+    reply = engine.restarted().run(a)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("exact", 43)
+    assert reply.text == first.text == engine.cold(a).text
+
+
+@pytest.mark.parametrize("kind", ["swa_ring"], indirect=True)
+def test_without_snapshots_the_same_prompt_prefills_its_last_partial_chunk_again(engine: Engine, kind: str) -> None:
+    engine.registry.unload("m")
+    engine.load(swa_full=False, policy={"snapshot_gap_tokens": "infinity"})
+    a, first = finished(engine, 43, 13)
+    reply = engine.restarted().run(a)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("exact", 40)
+    assert engine.counter("end_snapshots") == 0
+    assert reply.text == first.text
+
+
 def test_longest_prefix_finds_the_cold_capture(engine: Engine, kind: str) -> None:
     a, _ = finished(engine, 40, 4)  # a cold checkpoint of its first 32 tokens (a snapshot where it cannot be cut)
     prompt = a[:35] + plain(15, 99)[1:]
