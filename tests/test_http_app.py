@@ -21,6 +21,7 @@ import pytest
 
 from barreld.address import parse_listen
 from barreld.cache import CacheStore, TierConfig
+from barreld.engine import tools
 from barreld.engine.backend import BackendError
 from barreld.engine.registry import LoadOptions, ModelRegistry
 from barreld.http.app import DaemonState, HttpApi
@@ -535,6 +536,24 @@ def test_keys_are_enforced_on_every_route_but_health(tmp_path: Path) -> None:
             guarded.sdk(api_key="wrong").completions.create(model="m", prompt="hi", max_tokens=2)
         reply = guarded.sdk(api_key=KEY).completions.create(model="m", prompt="hi", max_tokens=2, temperature=0)
         assert reply.usage.completion_tokens == 2
+    finally:
+        guarded.close()
+
+
+def test_each_tenant_checks_a_tool_schema_once_and_its_own_memo_only(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents resend the same tools every request; their schemas' checks are remembered, but per tenant: a
+    shared memo would let one tenant time whether another had sent the same tools."""
+    checked, check = [], tools.schema_problem
+    monkeypatch.setattr(tools, "schema_problem", lambda schema: checked.append(schema) or check(schema))
+    guarded = Served(tmp_path, Tenants((TenantKey("other", b"another-key"), TenantKey("tester", KEY.encode()))))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}]}
+    try:
+        for key in (KEY, KEY, "another-key", KEY):
+            status, _, doc = guarded.request("POST", "/v1/messages/count_tokens", body, headers={"x-api-key": key})
+            assert status == 200 and doc["input_tokens"] > 0, doc
+        assert len(checked) == 2
     finally:
         guarded.close()
 

@@ -19,7 +19,7 @@ from barreld.engine.chat import MAX_MESSAGES, Message, check_tool_history
 from barreld.engine.registry import LoadedModel
 from barreld.engine.reply import Echo, Finish, ReasoningDelta, ReplyEvent, TextDelta
 from barreld.engine.request import Started
-from barreld.engine.tools import ToolCall, ToolSpec, tool, tool_spec
+from barreld.engine.tools import SchemaChecks, ToolCall, ToolSpec, tool, tool_spec
 from barreld.errors import InvalidArgument
 from barreld.http.body import Body, cache_salt, sampling, stop_strings, template_options, utf8
 from barreld.http.errors import ApiError
@@ -41,9 +41,10 @@ def error_doc(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def parse_messages(doc: Mapping[str, Any], counting: bool = False) -> CallRequest:
+def parse_messages(doc: Mapping[str, Any], counting: bool = False, checks: SchemaChecks | None = None
+                   ) -> CallRequest:
     """A Messages request as Barrel runs it; count_tokens sends no max_tokens."""
-    body = Body(doc)
+    body = Body(doc, checks)
     max_tokens = body.get("max_tokens", int, "an integer")
     if max_tokens is None and not counting:
         raise InvalidArgument("max_tokens is missing; send the most tokens the reply may have")
@@ -160,7 +161,7 @@ def tools_of(body: Body) -> ToolSpec | None:
     for i, t in enumerate(body.get("tools", list, "a list of tools") or []):
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
             raise InvalidArgument(f"tools[{i}] must be a custom tool {{name, description, input_schema}}")
-        tools.append(tool(t.get("name"), t.get("description"), t["input_schema"], f"tools[{i}]"))
+        tools.append(tool(t.get("name"), t.get("description"), t["input_schema"], f"tools[{i}]", body.checks))
     choice = body.get("tool_choice", dict, "an object {type: auto, any, tool or none}") or {"type": "auto"}
     kind = choice.get("type")
     if kind == "tool":

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from barreld.engine.registry import LoadedModel, ModelRegistry
+from barreld.engine.tools import SchemaChecks
 from barreld.errors import Unavailable
 from barreld.http.anthropic import MessagesReply, error_doc, parse_messages
 from barreld.http.errors import RETRY_AFTER, ApiError, api_error
@@ -65,6 +66,7 @@ class HttpApi:
         self.metrics = metrics
         self.state = state
         self.tenants = tenants or Tenants()
+        self.schema_checks: dict[str, SchemaChecks] = {}  # a tenant's own: see SchemaChecks
         responses_api = ResponsesRoutes(self._guard, self._check_open, self._run,
                                         lambda call: count_tokens(self.registry, call),
                                         responses or ResponseStore(None))
@@ -93,12 +95,15 @@ class HttpApi:
 
     def _guard(self, handler: Callable[[Request], Awaitable[Response]], shape: ErrorShape = openai_error,
                auth: bool = True) -> Callable[[Request], Awaitable[Response]]:
-        """Checks the key and notes its tenant (`request.state.tenant`), then runs the handler; whatever it
-        raises is answered in the route's own shape (`shape`: OpenAI's, or Anthropic's for the Messages API)."""
+        """Checks the key and notes its tenant (`request.state.tenant`, and its tool schema verdicts as
+        `request.state.schema_checks`), then runs the handler; whatever it raises is answered in the route's own
+        shape (`shape`: OpenAI's, or Anthropic's for the Messages API)."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                request.state.tenant = self._authorize(request) if auth else DEFAULT_TENANT
+                tenant = request.state.tenant = self._authorize(request) if auth else DEFAULT_TENANT
+                request.state.schema_checks = self.schema_checks.get(tenant) or self.schema_checks.setdefault(
+                    tenant, SchemaChecks())
                 return await handler(request)
             except ClientGone:
                 return Response(status_code=CLIENT_GONE)
@@ -178,18 +183,19 @@ class HttpApi:
 
     async def _complete(self, request: Request, chat: bool) -> Response:
         self._check_open()
-        req = parse_request(await read_json(request), chat)
+        req = parse_request(await read_json(request), chat, request.state.schema_checks)
         return await self._run(request, req.call, lambda model: Reply(req, model))
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API over the same calls as the OpenAI routes."""
         self._check_open()
-        return await self._run(request, parse_messages(await read_json(request)), MessagesReply)
+        call = parse_messages(await read_json(request), checks=request.state.schema_checks)
+        return await self._run(request, call, MessagesReply)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's length in tokens as /v1/messages would render it; nothing runs on the model."""
         self._check_open()
-        call = parse_messages(await read_json(request), counting=True)
+        call = parse_messages(await read_json(request), counting=True, checks=request.state.schema_checks)
         return JSONResponse({"input_tokens": await count_tokens(self.registry, call)})
 
 

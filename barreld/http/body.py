@@ -5,11 +5,14 @@ fields an API has and Barrel does not use are ignored, as OpenAI ignores unknown
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from barreld.engine.sampling import KNOBS, SamplingParams
 from barreld.errors import InvalidArgument
 from barreld.service.calls import check_cache_salt
+
+if TYPE_CHECKING:
+    from barreld.engine.tools import SchemaChecks
 
 DEFAULT_TEMPERATURE = 0.0  # Barrel's greedy default, not OpenAI's 1
 NUMBER = ((int, float), "a number")
@@ -18,10 +21,12 @@ SAMPLING_FIELDS = {name: WHOLE if kind is int else NUMBER for name, kind in KNOB
 
 
 class Body:
-    """A request body with typed reads: a present field of the wrong type is a 400 naming it."""
+    """A request body with typed reads: a present field of the wrong type is a 400 naming it. `checks` holds
+    the verdicts on the tool schemas its tenant sent before."""
 
-    def __init__(self, doc: Mapping[str, Any]) -> None:
+    def __init__(self, doc: Mapping[str, Any], checks: SchemaChecks | None = None) -> None:
         self.doc = doc
+        self.checks = checks
 
     def get(self, name: str, kind: type | tuple[type, ...], what: str) -> Any:
         value = self.doc.get(name)
@@ -87,11 +92,11 @@ def stop_strings(body: Body, name: str = "stop") -> tuple[str, ...]:
     return stops
 
 
-def function_tool(f: object, where: str):
+def function_tool(f: object, where: str, checks: SchemaChecks | None):
     """One function tool in OpenAI's shape {name, description, parameters} (chat nests it under `function`,
     the Responses API does not)."""
     from barreld.engine.tools import tool
 
     if not isinstance(f, dict):
         raise InvalidArgument(f"{where} must be a function tool {{name, description, parameters}}")
-    return tool(f.get("name"), f.get("description"), f.get("parameters"), where)
+    return tool(f.get("name"), f.get("description"), f.get("parameters"), where, checks)

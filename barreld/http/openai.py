@@ -19,7 +19,7 @@ from barreld.engine.chat import Message, messages_from
 from barreld.engine.registry import LoadedModel
 from barreld.engine.reply import Finish, ReasoningDelta, ReplyEvent, TextDelta
 from barreld.engine.request import Alternative, Started, TokenLogprob
-from barreld.engine.tools import CHOICES, ToolCall, ToolSpec, tool_spec
+from barreld.engine.tools import CHOICES, SchemaChecks, ToolCall, ToolSpec, tool_spec
 from barreld.errors import InvalidArgument
 from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, template_options, utf8
 from barreld.http.errors import ApiError
@@ -41,8 +41,8 @@ class OpenAIRequest:
     include_usage: bool
 
 
-def parse_request(doc: Mapping[str, Any], chat: bool) -> OpenAIRequest:
-    body = Body(doc)
+def parse_request(doc: Mapping[str, Any], chat: bool, checks: SchemaChecks | None = None) -> OpenAIRequest:
+    body = Body(doc, checks)
     if body.get("n", int, "an integer") not in (None, 1):
         raise InvalidArgument("n must be 1: Barrel returns one choice per request")
     stream = bool(body.get("stream", bool, "true or false"))
@@ -84,7 +84,7 @@ def _tools(body: Body) -> ToolSpec | None:
         f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(f, dict):
             raise InvalidArgument(f"tools[{i}] must be {{type: function, function: {{name, description, parameters}}}}")
-        tools.append(function_tool(f, f"tools[{i}].function"))
+        tools.append(function_tool(f, f"tools[{i}].function", body.checks))
     parallel = body.get("parallel_tool_calls", bool, "true or false")
     return tool_spec(tools, _tool_choice(body), parallel is not False)
 

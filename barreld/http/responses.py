@@ -27,7 +27,7 @@ from barreld.engine.chat import MAX_MESSAGES, Message
 from barreld.engine.registry import LoadedModel
 from barreld.engine.reply import Finish, ReasoningDelta, ReplyEvent, TextDelta
 from barreld.engine.request import Started
-from barreld.engine.tools import CHOICES, Tool, ToolCall, tool_spec
+from barreld.engine.tools import CHOICES, SchemaChecks, Tool, ToolCall, tool_spec
 from barreld.errors import InvalidArgument
 from barreld.http.body import Body, cache_salt, function_tool, sampling, stop_strings, template_options, utf8
 from barreld.http.errors import ApiError
@@ -56,9 +56,10 @@ class ResponsesRequest:
     namespaces: Mapping[str, str] = field(default_factory=dict)  # a namespaced tool's name to its namespace
 
 
-def parse_responses(doc: Mapping[str, Any], previous: Stored | None) -> ResponsesRequest:
+def parse_responses(doc: Mapping[str, Any], previous: Stored | None, checks: SchemaChecks | None = None
+                    ) -> ResponsesRequest:
     """`previous`: the stored response `previous_response_id` names (looked up by the caller)."""
-    body = Body(doc)
+    body = Body(doc, checks)
     instructions = body.get("instructions", str, "a string")
     history = (previous.history if previous else ()) + _input(body)
     if len(history) > MAX_MESSAGES:
@@ -177,13 +178,13 @@ def _tools(body: Body) -> tuple[list[Tool], list[str], dict[str, str]]:
     for i, t in enumerate(body.get("tools", list, "a list of tools") or []):
         kind = t.get("type") if isinstance(t, dict) else None
         if kind == "function":
-            tools.append(function_tool(t, f"tools[{i}]"))
+            tools.append(function_tool(t, f"tools[{i}]", body.checks))
         elif kind == "namespace":
             inner = t.get("tools")
             if not isinstance(inner, list):
                 raise InvalidArgument(f"tools[{i}].tools must be a list of function tools")
             space = _string(t, "name", f"tools[{i}]")
-            grouped = [function_tool(f, f"tools[{i}].tools[{j}]") for j, f in enumerate(inner)]
+            grouped = [function_tool(f, f"tools[{i}].tools[{j}]", body.checks) for j, f in enumerate(inner)]
             namespaces |= {tool.name: space for tool in grouped}
             tools += grouped
         elif isinstance(kind, str):
@@ -415,7 +416,7 @@ class ResponsesRoutes:
             if previous is None:
                 raise ApiError(404, f"Previous response with id '{previous_id[:80]}' not found.",
                                code="previous_response_not_found", param="previous_response_id")
-        return parse_responses(doc, previous)
+        return parse_responses(doc, previous, request.state.schema_checks)
 
     async def create(self, request: Request) -> Response:
         self.check_open()

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from barreld.engine import tools
 from barreld.engine.callformats import GENERIC, Family, family_of
 from barreld.engine.chat import Message, messages_from, render
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.registry import bundled_model_path
 from barreld.engine.tools import GENERIC as GENERIC_TEXT
-from barreld.engine.tools import CallStream, ToolCall, forced_grammar, split_calls, tool, tool_spec
+from barreld.engine.tools import CallStream, SchemaChecks, ToolCall, forced_grammar, split_calls, tool, tool_spec
 from barreld.errors import InvalidArgument
 from tests.support.llama_sources import family_named, template
 from tests.support.sandbox_models import gguf_string
@@ -164,6 +165,22 @@ def test_a_schema_the_grammar_cannot_enforce_is_held_to_any_object() -> None:
 def test_bad_tools_and_tool_history_are_refused_by_name(make: object, says: str) -> None:
     with pytest.raises(InvalidArgument, match=says):
         make()
+
+
+def test_a_tenants_schema_checks_check_each_schema_once_in_any_key_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked, check = [], tools.schema_problem
+    monkeypatch.setattr(tools, "schema_problem", lambda schema: checked.append(schema) or check(schema))
+    mine, theirs = SchemaChecks(), SchemaChecks()
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for checks in (mine, mine, theirs):
+        assert tool("f", None, city, "t", checks).parameters == city
+    assert tool("f", None, dict(reversed(city.items())), "t", mine).parameters == dict(reversed(city.items()))
+    assert len(checked) == 2  # one for each tenant's memo
+    bad = {"type": "object", "properties": 3}
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="not a valid JSON Schema: 3 is not of type 'object'"):
+            tool("f", None, bad, "t", mine)
+    assert len(checked) == 3
 
 
 def test_an_assistant_turn_of_calls_may_have_no_content_and_its_result_names_it() -> None:
