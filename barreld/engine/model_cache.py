@@ -226,7 +226,9 @@ class ModelCache:
         chunk boundary short of that end: the same prompt sent again (a retry, an agent session replayed after a
         restart) then restores whole, rather than prefilling up to a chunk again at the full length of its
         context. Such a state serves nothing else: it restores only at its own length, with its logits."""
-        return self._snapshot(seq, "end_snapshots") if self.snapshots_boundaries else None
+        if not self.snapshots_boundaries or not self.policy.allows_save(len(seq.tokens)):
+            return None  # nothing read: a prompt too short to keep is not worth its state's copy
+        return self._snapshot(seq, "end_snapshots")
 
     def _snapshot(self, seq: Sequence, counter: str) -> Callable[[], object] | None:
         if self.store is None or self._dropped():
