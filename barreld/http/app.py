@@ -7,6 +7,7 @@ key and answers errors in the route's own shape.
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,7 @@ class HttpApi:
         self.metrics = metrics
         self.state = state
         self.tenants = tenants or Tenants()
-        self.schema_checks: dict[str, SchemaChecks] = {}  # a tenant's own: see SchemaChecks
+        self.schema_checks: defaultdict[str, SchemaChecks] = defaultdict(SchemaChecks)  # a tenant's own
         responses_api = ResponsesRoutes(self._guard, self._check_open, self._run,
                                         lambda call: count_tokens(self.registry, call),
                                         responses or ResponseStore(None))
@@ -102,8 +103,7 @@ class HttpApi:
         async def endpoint(request: Request) -> Response:
             try:
                 tenant = request.state.tenant = self._authorize(request) if auth else DEFAULT_TENANT
-                request.state.schema_checks = self.schema_checks.get(tenant) or self.schema_checks.setdefault(
-                    tenant, SchemaChecks())
+                request.state.schema_checks = self.schema_checks[tenant]
                 return await handler(request)
             except ClientGone:
                 return Response(status_code=CLIENT_GONE)
