@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -368,10 +369,11 @@ class ModelWorker:
             self.starts.snapshot(seq)
         if end == len(req.target):
             req.timings.prefill = time.perf_counter() - req.prefill_started
-            if req.snapshot_at != end:
-                req.snapshot_saves.append(self.cache.end_snapshot(seq))
-            self._take(req, logits)
+            self._take(req, logits, None if req.snapshot_at == end else lambda: self._end_snapshot(req, seq))
             self._queue_snapshots(req)
+
+    def _end_snapshot(self, req: Request, seq: Sequence) -> None:
+        req.snapshot_saves.append(self.cache.end_snapshot(seq))
 
     @staticmethod
     def _queue_snapshots(req: Request) -> None:
@@ -398,8 +400,12 @@ class ModelWorker:
                 req.timings.prefill = time.perf_counter() - req.prefill_started
                 self._take(req, seq.frontier_logits)
 
-    def _take(self, req: Request, logits: np.ndarray) -> None:
-        """Samples the next token, streams its text, and finishes the request when a limit is reached."""
+    def _take(self, req: Request, logits: np.ndarray, streamed: Callable[[], None] | None = None) -> None:
+        """Samples the next token, streams its text, and finishes the request when a limit is reached.
+
+        `streamed` runs once the token is handed to the front end and before any finish: work on the state the
+        prompt left (the end snapshot's read, 25-35 ms at 13k tokens on Gemma 3) that need not delay the first
+        token, since sampling changes nothing in KV."""
         seq = self.seqs[req.seq]
         token = self._sample(req, logits)
         if token is None:
@@ -410,6 +416,8 @@ class ModelWorker:
             req.first_token_at = now
             req.timings.ttft = now - req.submitted
         if self.backend.is_eog(token):
+            if streamed is not None:
+                streamed()
             self._finish(req, FinishReason.STOP, token)
             return
         if req.params.logprobs is not None:
@@ -417,6 +425,8 @@ class ModelWorker:
         out = req.scanner.feed(self.backend.piece(token))
         if out:
             req.events.put(Token(out, self._unsent_logprobs(req)))
+        if streamed is not None:
+            streamed()
         if req.scanner.stopped:
             self._finish(req, FinishReason.STOP, token)
         elif req.generated >= req.params.max_tokens or len(seq.tokens) + 1 >= self.backend.n_ctx:
