@@ -142,7 +142,7 @@ class Request:
     generated: int = 0
     cold_at: int | None = None  # prompt length at which to capture a cold checkpoint
     boundaries: frozenset[int] = frozenset()  # prompt lengths at which to store a snapshot as its own row
-    snapshot_saves: list[Callable[[], object] | None] = field(default_factory=list)  # read; queued after the prefill
+    snapshot_saves: list[Callable[[], object] | None] = field(default_factory=list)  # read; queued once a token is out
     snapshot_at: int = 0  # prompt length at which to copy the state of a memory that cannot be cut (0: none)
     stops: frozenset[int] = frozenset()  # the three above: where a prefill call that holds several chunks ends
     prefill_started: float = 0.0
@@ -150,3 +150,16 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def queue_snapshots(self) -> None:
+        """The snapshots read during the prefill go to the writers: before the client hears the request end,
+        so a next turn finds them stored or in flight."""
+        for save in filter(None, self.snapshot_saves):
+            save()
+        self.snapshot_saves.clear()
+
+    def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The entries of the tokens whose text goes out now (a stop string's held-back text waits)."""
+        unsent = tuple(self.logprobs[self.logprobs_sent :])
+        self.logprobs_sent = len(self.logprobs)
+        return unsent

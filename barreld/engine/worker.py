@@ -369,18 +369,13 @@ class ModelWorker:
             self.starts.snapshot(seq)
         if end == len(req.target):
             req.timings.prefill = time.perf_counter() - req.prefill_started
-            self._take(req, logits, None if req.snapshot_at == end else lambda: self._end_snapshot(req, seq))
-            self._queue_snapshots(req)
+            self._take(req, logits, lambda: self._prefill_over(req, seq, end))
 
-    def _end_snapshot(self, req: Request, seq: Sequence) -> None:
-        req.snapshot_saves.append(self.cache.end_snapshot(seq))
-
-    @staticmethod
-    def _queue_snapshots(req: Request) -> None:
-        """The snapshots read during the prefill go to the writers now that it is over."""
-        for save in filter(None, req.snapshot_saves):
-            save()
-        req.snapshot_saves.clear()
+    def _prefill_over(self, req: Request, seq: Sequence, end: int) -> None:
+        """Once the first token is out: the end snapshot's read if due, then the prefill's snapshots queued."""
+        if req.snapshot_at != end:
+            req.snapshot_saves.append(self.cache.end_snapshot(seq))
+        req.queue_snapshots()
 
     def _sampled(self, req: Request, logits: np.ndarray) -> None:
         """The pending token is in KV now; a continued checkpoint if due, then the next token."""
@@ -424,7 +419,7 @@ class ModelWorker:
             req.logprobs.append(self._logprob(logits, token, req.params.logprobs))
         out = req.scanner.feed(self.backend.piece(token))
         if out:
-            req.events.put(Token(out, self._unsent_logprobs(req)))
+            req.events.put(Token(out, req.unsent_logprobs()))
         if streamed is not None:
             streamed()
         if req.scanner.stopped:
@@ -452,28 +447,22 @@ class ModelWorker:
         piece = self.backend.piece
         return TokenLogprob(Alternative(token, piece(token), own), tuple(Alternative(t, piece(t), lp) for t, lp in top))
 
-    @staticmethod
-    def _unsent_logprobs(req: Request) -> tuple[TokenLogprob, ...]:
-        """The entries of the tokens whose text goes out now (a stop string's held-back text waits)."""
-        unsent = tuple(req.logprobs[req.logprobs_sent :])
-        req.logprobs_sent = len(req.logprobs)
-        return unsent
-
     def _finish(self, req: Request, reason: FinishReason, last: int | None = None) -> None:
         """Appends the last sampled token to the sequence's text, hands the finish save to the writers, then
         answers.
 
-        The save is queued before the client hears Done, so a next turn that resumes from this
-        checkpoint finds it stored or in flight (and waits for it), never missing.
+        The prefill's snapshots (all a cancelled prefill read is still exact) and the save are queued before the
+        client hears Done, so a next turn finds them stored or in flight (and waits for them), never missing.
         """
         seq = self.seqs[req.seq]
+        req.queue_snapshots()
         if reason is FinishReason.CANCELLED:
             log.info("request %d cancelled by its client after %d tokens; generation stopped", req.id, req.generated)
             last = req.pending
         req.pending = None
         tail = b"" if req.scanner.stopped else req.scanner.flush()
         if tail:
-            req.events.put(Token(tail, self._unsent_logprobs(req)))
+            req.events.put(Token(tail, req.unsent_logprobs()))
         if last is not None and len(seq.tokens) >= len(req.target):
             # Text only: a generated token's KV is never reused, so it is not evaluated (see Sequence).
             seq.append(last, self.backend.piece(last), prefilled=False)
@@ -591,11 +580,11 @@ class ModelWorker:
         seq = self.seqs[req.seq]
         self.backend.seq_rm(seq.id, 0, -1)
         seq.clear()
+        req.queue_snapshots()  # what the prefill read before the failure is still exact
         req.events.put(Failed(exc))
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        self._queue_snapshots(req)  # a prefill cut short by a cancel or a failure: what it read is still exact
         seq = self.seqs[req.seq]
         seq.request = None
         self.settling = True  # until the loop finds nothing to settle

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from barreld.engine.chat import Message
+from barreld.engine.request import Done
 from barreld.names import MemoryKind
 from tests.fakes.backend import write_gguf
 
@@ -97,18 +98,24 @@ def test_the_same_prompt_ending_off_a_chunk_boundary_restores_whole_after_a_rest
 def test_the_end_snapshot_is_read_once_the_first_token_is_out_and_kept_when_that_token_ends_the_reply(
         engine: Engine, kind: str) -> None:
     """Its state read is off the first token's path (sampling leaves KV as the prompt left it), and a reply
-    of one token still stores it before the finish appends that token to the sequence's text."""
+    of one token still queues it before the client hears Done (a next turn then finds it stored or in
+    flight), and before the finish appends that token to the sequence's text."""
     worker = engine.registry.get("m").worker
-    read, seen = worker.cache.end_snapshot, []
+    read, seen, answered = worker.cache.end_snapshot, [], []
 
     def spy(seq: object) -> object:
         seen.append([r.first_token_at is not None for r in worker._active])
-        return read(seq)
+        save, events = read(seq), worker._active[0].events
+
+        def queued() -> object:
+            answered.append(any(isinstance(e, Done) for e in list(events.queue)))
+            return save()
+        return queued
 
     worker.cache.end_snapshot = spy
     a = plain(43, 21)
     first = engine.run(a, max_tokens=1)
-    assert seen == [[True]] and engine.counter("end_snapshots") == 1
+    assert seen == [[True]] and answered == [False] and engine.counter("end_snapshots") == 1
     reply = engine.restarted().run(a, max_tokens=1)
     assert (reply.route, reply.started.cache.restored_tokens) == ("exact", 43)
     assert reply.text == first.text == engine.cold(a, max_tokens=1).text
