@@ -59,7 +59,7 @@ class Terminal:
 
     def __init__(self, box: Sandbox, *args: str, stdout: Path | None = None) -> None:
         # No cursor-position requests: nobody on this terminal answers them.
-        # Faulthandler: SIGABRT makes the client print every thread's stack (`expect_or_explain`).
+        # Faulthandler: SIGABRT makes the client print every thread's stack (`expect`).
         env = box.env(TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1", PYTHONFAULTHANDLER="1")
         self.box = box
         argv = [sys.executable, "-m", "barrelctl", "chat", *args]
@@ -69,18 +69,23 @@ class Terminal:
                                    dimensions=(40, 200))
 
     def ask(self, text: str) -> Footer:
-        self.child.expect(">>>")
+        self.expect(">>>")
         self.child.sendline(text)
-        self.child.expect(FOOTER)
+        self.expect(FOOTER)
         m = self.child.match
         return Footer(m.group(1).decode(), int(m.group(3)), int(m.group(4)))
 
-    def expect_or_explain(self, pattern: re.Pattern[bytes]) -> None:
-        """Expects pattern; on a timeout, fails with what was waiting: SIGABRT makes the client and the daemon
-        (faulthandler, on in both) write every thread's stack, the client's to the terminal, the daemon's to
-        its log, which the failure shows with the daemon's last lines before it."""
+    def expect(self, pattern: str | re.Pattern[bytes]) -> None:
+        """Expects pattern; when it does not come, fails with what the client wrote and the daemon's log. On
+        a timeout SIGABRT first makes the client and the daemon (faulthandler, on in both) write every
+        thread's stack, the client's to the terminal, the daemon's to its log, whose lines before it show."""
         try:
             self.child.expect(pattern)
+            return
+        except pexpect.EOF:
+            client = self.child.before or b""
+            self.child.close()
+            what = f"the client ended (exit status {self.child.exitstatus}, signal {self.child.signalstatus})"
         except pexpect.TIMEOUT:
             for pid in [self.child.pid, *self.box.daemon_pids()]:
                 os.kill(pid, signal.SIGABRT)
@@ -89,18 +94,19 @@ class Terminal:
                 client = self.child.read_nonblocking(1 << 20, timeout=5)
             except (pexpect.TIMEOUT, pexpect.EOF):
                 client = b""
-            shown = ANSI.sub(b"", client).decode(errors="replace")[-6000:]
-            log = self.box.log_text()
-            dump = log.rfind("Fatal Python error")
-            raise AssertionError(
-                f"{pattern.pattern!r} did not come. The client:\n{shown}"
-                f"\nThe daemon's log:\n{log[max(0, dump - 6000) if dump >= 0 else -12000:]}"
-            ) from None
+            what = "it timed out"
+        shown = ANSI.sub(b"", client).decode(errors="replace")[-6000:]
+        log = self.box.log_text()
+        dump = log.rfind("Fatal Python error")
+        raise AssertionError(
+            f"{getattr(pattern, 'pattern', pattern)!r} did not come: {what}. The client:\n{shown}"
+            f"\nThe daemon's log:\n{log[max(0, dump - 6000) if dump >= 0 else -12000:]}"
+        ) from None
 
     def command(self, line: str, answer: str) -> None:
-        self.child.expect(">>>")
+        self.expect(">>>")
         self.child.sendline(line)
-        self.child.expect(re.escape(answer))
+        self.expect(re.escape(answer))
 
     def reply_started(self, min_chars: int) -> str:
         """Reads until the reply (what follows the last spinner frame) holds min_chars letters."""
@@ -116,7 +122,7 @@ class Terminal:
         raise AssertionError(f"no reply began: {seen[-400:]!r}")
 
     def leave(self) -> int:
-        self.child.expect(">>>")
+        self.expect(">>>")
         self.child.sendeof()
         self.child.expect(pexpect.EOF)
         self.child.close()
@@ -151,7 +157,7 @@ def test_a_chat_starts_warm_every_turn_and_resumes_warm(served: Sandbox, tmp_pat
 @pytest.mark.serial
 def test_ctrl_c_stops_the_reply_in_the_daemon_and_the_session_goes_on(served: Sandbox, tmp_path: Path) -> None:
     term = Terminal(served, "--max-tokens", "300")
-    term.child.expect(">>>")
+    term.expect(">>>")
     term.child.sendline("Write a very long story about a dragon and a knight.")
     term.reply_started(min_chars=12)
     term.child.sendintr()
@@ -161,12 +167,12 @@ def test_ctrl_c_stops_the_reply_in_the_daemon_and_the_session_goes_on(served: Sa
         time.sleep(0.1)
     assert running(served) == 0   # the daemon stopped generating the story
     # History: Up recalls the cancelled line; Ctrl-U clears it for a new question.
-    term.child.expect(">>>")
+    term.expect(">>>")
     term.child.send("\x1b[A")
     term.child.expect("a knight.")
     term.child.send("\x15")
     term.child.sendline("Say hello.")
-    term.expect_or_explain(FOOTER)
+    term.expect(FOOTER)
     saved = tmp_path / "after.json"
     term.command(f"/save {saved}", "saved 2 messages")
     assert [m["content"] for m in json.loads(saved.read_text()) if m["role"] == "user"] == ["Say hello."]
