@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ class JsonMemo:
         kept[key] = value
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")  # loads are threads
             tmp.write_text(json.dumps(kept, indent=1))
             os.replace(tmp, self.path)
         except OSError as exc:  # a read-only home: the check runs again next time, nothing worse

@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import math
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -203,7 +204,8 @@ class ModelRegistry:
         self.backend_factory = backend_factory
         self._models: dict[str, LoadedModel] = {}
         self._failed: dict[str, FailedLoad] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # held for the dicts only, never across a load
+        self._loading: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._default: str | None = None
 
     def load(self, name: str, opts: LoadOptions) -> LoadedModel:
@@ -214,7 +216,10 @@ class ModelRegistry:
             raise NotFound(f"unknown model {name!r}: pass --path to a GGUF file (bundled: {', '.join(BUNDLED)})")
         path = Path(path).expanduser().resolve()
         with self._lock:
-            existing = self._models.get(name)
+            loading = self._loading[name]
+        with loading:  # a load takes seconds to minutes: only a second load of this name waits for it
+            with self._lock:
+                existing = self._models.get(name)
             if existing is not None:
                 if existing.path == path and existing.options == opts:
                     return existing
@@ -224,12 +229,14 @@ class ModelRegistry:
             try:
                 model = self._open(name, path, opts, policy)
             except BarrelError as exc:
-                self._failed[name] = FailedLoad(name, path, str(exc))
+                with self._lock:
+                    self._failed[name] = FailedLoad(name, path, str(exc))
                 raise
-            self._failed.pop(name, None)
-            self._models[name] = model
-            if self._default is None:
-                self._default = name
+            with self._lock:
+                self._failed.pop(name, None)
+                self._models[name] = model
+                if self._default is None:
+                    self._default = name
         log.info(
             "loaded %s from %s (%s, fingerprint %s, n_ctx %d, n_seq_max %d, tier %s, %s memory: %s)",
             name,
@@ -370,10 +377,10 @@ class ModelRegistry:
             model = self._models.get(name) or next(
                 (m for m in self._models.values() if any(fnmatchcase(name, a) for a in m.options.aliases)), None
             )
-            if model is not None:
-                return model
-            if name in BUNDLED:
-                return self.load(name, LoadOptions())
+        if model is not None:
+            return model
+        if name in BUNDLED:
+            return self.load(name, LoadOptions())
         shown = name if model_name_problem(name) is None else "NAME"  # a client's name may hold anything
         raise NotFound(f"unknown model {name!r}: it is not loaded; run `barrelctl load {shown} --path FILE.gguf` first")
 

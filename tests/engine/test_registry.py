@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from barreld.errors import FailedPrecondition, InvalidArgument, NotFound
 from barreld.names import Fingerprint, MemoryKind
 from tests.fakes.backend import FakeBackend, write_gguf
 
-from .conftest import POLICY, Engine, plain
+from .conftest import EVENT_TIMEOUT, POLICY, Engine, plain
 
 
 @pytest.fixture
@@ -181,3 +183,34 @@ def test_close_unloads_every_model_and_counts_its_shutdown_saves(engine: Engine)
     engine.store.gc()
     assert engine.registry.close() == 2
     assert engine.registry.models() == [] and {r["save_reason"] for r in engine.rows()} == {"shutdown"}
+
+
+def test_a_load_in_progress_holds_up_only_a_second_load_of_its_name(tmp_path: Path, store) -> None:
+    """A first load can take minutes (decode check, reuse probe): status calls, requests to loaded models and
+    other loads go on meanwhile (CI: `barrelctl daemon status` timed out while configured models loaded)."""
+    opening, release = threading.Event(), threading.Event()
+
+    def slow(path: Path, settings):
+        if path.name == "slow.gguf":
+            opening.set()
+            assert release.wait(EVENT_TIMEOUT)
+        return FakeBackend(path, settings)
+
+    registry = ModelRegistry(store, POLICY, backend_factory=slow)
+    try:
+        fast = registry.load("fast", opts(write_gguf(tmp_path / "fast.gguf", "fast")))
+        slow_path = write_gguf(tmp_path / "slow.gguf", "slow")
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(registry.load, "slow", opts(slow_path))
+            assert opening.wait(EVENT_TIMEOUT)
+            second = pool.submit(registry.load, "slow", opts(slow_path))
+            assert registry.models() == [fast] and registry.get("fast") is fast
+            other = registry.load("other", opts(write_gguf(tmp_path / "other.gguf", "other")))
+            assert registry.unload("other") == 0
+            assert not first.done() and not second.done()
+            release.set()
+            assert second.result(EVENT_TIMEOUT) is first.result(EVENT_TIMEOUT)
+        assert {m.name for m in registry.models()} == {"fast", "slow"} and other.name == "other"
+    finally:
+        release.set()
+        registry.close()

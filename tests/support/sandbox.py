@@ -40,7 +40,10 @@ class Run:
     err: str
 
     def json(self) -> Any:
-        return json.loads(self.out)
+        try:
+            return json.loads(self.out)
+        except ValueError:
+            raise AssertionError(f"barrelctl (exit {self.rc}) printed no JSON: {self.out!r}; {self.err}") from None
 
 
 @dataclass
