@@ -74,7 +74,7 @@ class Daemon:
         self.store = self._open_store()
         self.registry = ModelRegistry(self.store, self.config.policy, max_queue=self.config.max_queue,
                                       blocks_required=self.config.block_tokens is not None, load_check=DecodeCheck(),
-                                      reuse_probe=ReuseProbe())
+                                      reuse_probe=ReuseProbe(), configuring=True)
         self.scheduler = self._start_scheduler()
         metrics = Metrics(self.store, self.registry.models)
         self.peers = Peers(self.socket, group, self.data_dir / "peer.key")
@@ -153,12 +153,15 @@ class Daemon:
         return remote
 
     def _load_configured_models(self) -> None:
-        for m in self.config.models:
-            opts = LoadOptions(policy=m.policy.as_dict(), aliases=m.aliases, **m.load_settings())
-            try:
-                self.registry.load(m.name, opts)
-            except BarrelError as exc:
-                log.error("config model %s not loaded: %s", m.name, exc)
+        try:
+            for m in self.config.models:
+                opts = LoadOptions(policy=m.policy.as_dict(), aliases=m.aliases, **m.load_settings())
+                try:
+                    self.registry.load(m.name, opts)
+                except BarrelError as exc:
+                    log.error("config model %s not loaded: %s", m.name, exc)
+        finally:
+            self.registry.configured()
 
     def _start_scheduler(self) -> PressureScheduler:
         """Off by default (memory is the operator's to manage); when on, it evicts rows from its tiers."""

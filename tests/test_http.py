@@ -33,7 +33,7 @@ class Daemon:
     def __init__(self, box: Sandbox) -> None:
         self.box = box
         box.start_daemon("--http", "127.0.0.1:0")
-        self.port = int(box.ctl("--json", "daemon", "status").json()["http"].rpartition(":")[2])
+        self.port = box.http_port()
         self.base = f"http://127.0.0.1:{self.port}"
 
     def sdk(self) -> openai.OpenAI:

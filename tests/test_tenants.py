@@ -66,7 +66,7 @@ def cached(doc_: dict) -> int:
 
 def start(box: Sandbox) -> Host:
     box.start_daemon("--http", "127.0.0.1:0")
-    return Host(box, int(box.ctl("--json", "daemon", "status").json()["http"].rpartition(":")[2]))
+    return Host(box, box.http_port())
 
 
 def sandbox(redis: RedisServer, label: str) -> Sandbox:

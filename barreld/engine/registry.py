@@ -190,6 +190,7 @@ class ModelRegistry:
         blocks_required: bool = False,
         load_check: Callable[[Path], None] | None = None,
         reuse_probe: ReuseCheck | None = None,
+        configuring: bool = False,
     ) -> None:
         self.store = store
         # Run on a model file before the backend opens it in this process (barreld.engine.decodecheck): it
@@ -206,6 +207,11 @@ class ModelRegistry:
         self._failed: dict[str, FailedLoad] = {}
         self._lock = threading.Lock()  # held for the dicts only, never across a load
         self._loading: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        # Until `configured()`, when `configuring`: a request for a name no loaded model answers to waits for the
+        # daemon's configured models, rather than failing or loading a bundled file under a configured name.
+        self._configured = threading.Event()
+        if not configuring:
+            self._configured.set()
         self._default: str | None = None
 
     def load(self, name: str, opts: LoadOptions) -> LoadedModel:
@@ -368,21 +374,34 @@ class ModelRegistry:
     def _fingerprint(path: Path, setting: Fingerprint) -> bytes:
         return fingerprint_gguf(path, setting.mode, setting.digest)
 
+    def configured(self) -> None:
+        """The daemon's configured models are loaded (or failed): requests stop waiting for them."""
+        self._configured.set()
+
     def get(self, name: str) -> LoadedModel:
         """The named model, or with an empty name the default one, loading the bundled default if needed; a
         name no model has goes to the first loaded model with an alias that matches it."""
-        with self._lock:
-            if not name:
-                name = self._default or DEFAULT_MODEL
-            model = self._models.get(name) or next(
-                (m for m in self._models.values() if any(fnmatchcase(name, a) for a in m.options.aliases)), None
-            )
+        model = self._find(name)
+        if model is None and not self._configured.is_set():
+            self._configured.wait()
+            model = self._find(name)
         if model is not None:
             return model
+        name = name or DEFAULT_MODEL
         if name in BUNDLED:
             return self.load(name, LoadOptions())
         shown = name if model_name_problem(name) is None else "NAME"  # a client's name may hold anything
         raise NotFound(f"unknown model {name!r}: it is not loaded; run `barrelctl load {shown} --path FILE.gguf` first")
+
+    def _find(self, name: str) -> LoadedModel | None:
+        with self._lock:
+            if not name:
+                if self._default is None:
+                    return None
+                name = self._default
+            return self._models.get(name) or next(
+                (m for m in self._models.values() if any(fnmatchcase(name, a) for a in m.options.aliases)), None
+            )
 
     def unload(self, name: str) -> int:
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -213,4 +214,23 @@ def test_a_load_in_progress_holds_up_only_a_second_load_of_its_name(tmp_path: Pa
         assert {m.name for m in registry.models()} == {"fast", "slow"} and other.name == "other"
     finally:
         release.set()
+        registry.close()
+
+
+def test_while_configured_models_load_a_request_for_one_waits_for_it(tmp_path: Path, store) -> None:
+    """The daemon serves while it loads its configured models: a request naming one (or none, for the
+    default) gets it once loaded, not an unknown-model error or the bundled file under its name."""
+    registry = ModelRegistry(store, POLICY, backend_factory=FakeBackend, configuring=True)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            named, default = pool.submit(registry.get, "smollm2"), pool.submit(registry.get, "")
+            time.sleep(0.2)  # time enough to fail at once, as they did before they waited
+            assert not named.done() and not default.done()
+            model = registry.load("smollm2", opts(write_gguf(tmp_path / "a.gguf")))
+            assert not named.done() and not default.done()
+            registry.configured()
+            assert named.result(EVENT_TIMEOUT) is model and default.result(EVENT_TIMEOUT) is model
+        with pytest.raises(NotFound, match="unknown model 'b'"):
+            registry.get("b")
+    finally:
         registry.close()

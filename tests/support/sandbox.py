@@ -13,6 +13,7 @@ checkout that holds it (and barreld, barrelctl), so a checkout's tests run that 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -169,6 +170,22 @@ class Sandbox:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{sorted(names)} not all loaded after {timeout}s:\n{self.log_text()[-4000:]}")
                 time.sleep(0.1)
+
+    def http_port(self, timeout: float = 900) -> int:
+        """The loopback port of the daemon's HTTP API, once /health stops answering 'loading': the daemon
+        serves while it loads its configured models (a first load decode-checks and probes the file)."""
+        port = int(self.ctl("--json", "daemon", "status").json()["http"].rpartition(":")[2])
+        deadline = time.monotonic() + timeout
+        while True:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("GET", "/health")
+            loading = json.loads(conn.getresponse().read()).get("status") == "loading"
+            conn.close()
+            if not loading:
+                return port
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"models still loading after {timeout}s:\n{self.log_text()[-4000:]}")
+            time.sleep(0.1)
 
     def stop(self, proc: subprocess.Popen, timeout: float = 60) -> int:
         """SIGTERM (the shutdown saves run) and its exit status; SIGKILL only if it outlasts `timeout`."""
