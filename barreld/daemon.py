@@ -48,7 +48,6 @@ class Daemon:
         self.peers: Peers | None = None
         self.http: HttpServer | None = None
         self.responses: ResponseStore | None = None  # the Responses API's stored responses, with HTTP
-        self.ready = threading.Event()  # the configured models are loaded
         self.previous_death: Death | None = None  # how the last daemon on this socket ended, if it died
 
     def start(self) -> None:
@@ -98,7 +97,6 @@ class Daemon:
         if self.http is not None:
             self._start_http(metrics)
         self._load_configured_models()
-        self.ready.set()
         notify_systemd("READY=1")
 
     def _bind_http(self, group: int | None) -> HttpServer | None:
@@ -118,7 +116,7 @@ class Daemon:
         from barreld.http.response_store import ResponseStore
 
         death = self.previous_death.sentence() if self.previous_death else None
-        state = DaemonState(ready=self.ready.is_set, stopping=lambda: self.servicer.stopping, previous_death=death)
+        state = DaemonState(ready=self.registry.ready, stopping=lambda: self.servicer.stopping, previous_death=death)
         self.responses = ResponseStore(self.data_dir / RESPONSES_FILE)
         api = HttpApi(self.registry, metrics, state, self.config.http.tenants, self.responses)
         self.http.start(api.app)

@@ -378,11 +378,15 @@ class ModelRegistry:
         """The daemon's configured models are loaded (or failed): requests stop waiting for them."""
         self._configured.set()
 
+    def ready(self) -> bool:
+        """Whether the configured models are loaded (or failed); HTTP answers 503 'loading' until then."""
+        return self._configured.is_set()
+
     def get(self, name: str) -> LoadedModel:
         """The named model, or with an empty name the default one, loading the bundled default if needed; a
         name no model has goes to the first loaded model with an alias that matches it."""
         model = self._find(name)
-        if model is None and not self._configured.is_set():
+        if model is None and not self.ready():
             self._configured.wait()
             model = self._find(name)
         if model is not None:
