@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from barrelctl.client import Client, Completion
+from bench.report import cpu_name
 from tests.support.sandbox import Sandbox
 
 # llama.cpp's CPU backend here is built with OpenMP. libgomp's default spin-wait (300,000 spins at every
@@ -286,12 +287,6 @@ def _filesystem(path: str) -> str:
 
 
 def machine() -> dict[str, str]:
-    cpu = platform.processor() or "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     import psutil
 
     def version(dist: str) -> str:
@@ -303,7 +298,7 @@ def machine() -> dict[str, str]:
     import barreld
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": str(len(os.sched_getaffinity(0))),
         "ram": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
         "os": f"{platform.system()} {platform.release()}",
