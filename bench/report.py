@@ -113,6 +113,27 @@ def source_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time so far by kind (/proc/stat's first line: user, nice, system, idle, iowait, irq,
+    softirq, steal, ...), in clock ticks; empty where there is no /proc."""
+    with contextlib.suppress(OSError, ValueError):
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return []
+
+
+_TICKS_AT_START = _cpu_ticks()  # every bench imports this module as it starts
+
+
+def stolen_share() -> float | None:
+    """The share of the CPU time since this process started its bench that the hypervisor gave to other
+    guests (steal): on a shared virtual machine the noise no load average shows. None where unknown."""
+    now = _cpu_ticks()
+    if len(now) < 8 or len(_TICKS_AT_START) < 8:
+        return None
+    spent = [b - a for a, b in zip(_TICKS_AT_START, now, strict=False)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else None
+
+
 def cpu_name() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -188,10 +209,13 @@ def _restamp_suite(text: str) -> str:
 
 def put_section(path: Path, name: str, markdown: str) -> None:
     """Writes `markdown` as the section `name` of `path`, replacing the one there, else at the end. The section
-    records its date, commit and CPU (a file's sections may come from different machines); the rest of the file
-    stays as it is, except for the Stale lines of the parts it keeps (see above)."""
+    records its date, commit and CPU (a file's sections may come from different machines) and how much of that
+    CPU the host took meanwhile (`stolen_share`); the rest of the file stays as it is, except for the Stale lines
+    of the parts it keeps (see above)."""
     date, commit = generated_at()
-    stamp = f"_Generated on {date} at commit `{commit}`, on {this_cpu()}._\n\n"
+    stolen = stolen_share()
+    steal = "" if stolen is None else f"; the host took {stolen:.0%} of its CPU time over the run (steal)"
+    stamp = f"_Generated on {date} at commit `{commit}`, on {this_cpu()}{steal}._\n\n"
     body = _after_heading(markdown.rstrip() + "\n", stamp)
     block = f"{_MARK.format(name=name, stamp=f'; generated {date} at {commit}')}\n{body}{_END.format(name=name)}\n"
     text = path.read_text() if path.exists() else ""
