@@ -61,6 +61,8 @@ MODELS = {
     # flash attention and a q8_0 cache: other kernels, another grain (the floats follow the split more)
     "smollm2_fa": Model(lambda: bundled_model_path("smollm2"), 'flash_attn = true\ntype_k = "q8_0"\n'
                         'type_v = "q8_0"\n', 600, "full"),
+    # flash attention on an f16 cache: its tiled path from 64 rows (a fewest batch of 64, a last chunk apart)
+    "smollm2_tiled": Model(lambda: bundled_model_path("smollm2"), "flash_attn = true\n", 660, "full"),
     "gemma": Model(gemma_path, "swa_full = true\n", 620, "swa"),
     "gemma_ring": Model(gemma_path, "swa_full = false\n", 1300, "swa"),  # past 1,024 tokens: the ring wraps
     "mamba": Model(tiny_recurrent_path, "", 2600, "recurrent"),
@@ -262,6 +264,7 @@ def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> No
     models = {m["name"]: m for m in warm.ctl("--json", "models").json()["models"]}
     got = {name: (m["memory"], m["swa_window"], m["swa_full"], m["prefill_chunk"]) for name, m in models.items()}
     assert got == {"smollm2": ("full", 0, False, CHUNK), "smollm2_fa": ("full", 0, False, CHUNK),
+                   "smollm2_tiled": ("full", 0, False, CHUNK),
                    "gemma": ("swa", 512, True, CHUNK),
                    "gemma_ring": ("swa", 512, False, CHUNK), "mamba": ("recurrent", 0, False, CHUNK),
                    "lfm2": ("hybrid", 0, False, CHUNK)}
@@ -271,6 +274,8 @@ def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> No
     reuse = {name: m["exact_reuse"] for name, m in models.items()}
     assert all(r["source"] in ("probe", "memo") and CHUNK % r["grain"] == 0 for r in reuse.values()), reuse
     assert reuse["smollm2"]["grain"] < CHUNK  # SmolLM2 Q4_1's floats do not depend on the split (FACTS)
+    tiled = reuse["smollm2_tiled"]
+    assert (tiled["grain"], tiled["min_batch"], tiled["merged"]) == (1, 64, True), tiled
     quantised = ("--flash-attn", "--type-k", "q8_0", "--type-v", "q4_0")
     r = warm.ctl("--json", "load", "knobs", "--path", _bundled(), "--n-threads", "2", "--n-gpu-layers", "0",
                  "--no-swa-full", *quantised)

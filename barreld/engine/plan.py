@@ -32,12 +32,18 @@ def chunk_end(pos: int, end: int, chunk: int) -> int:
     return min((pos // chunk + 1) * chunk, end)
 
 
-def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] = ()) -> int:
+def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] = (), min_batch: int = 2) -> int:
     """Where one llama.cpp call that prefills from pos ends when it may hold several whole chunks: the last
-    chunk end within `room` tokens of pos (the first chunk's end at least), short of any of `stops`."""
+    chunk end within `room` tokens of pos (the first chunk's end at least), short of any of `stops`. A prompt's
+    last chunk of fewer than min_batch tokens stays a call of its own, as the chunked prefill has it: inside a
+    larger call its tokens would take the larger call's kernels (flash attention's tiled path; with a chunk of
+    one token, the path of a batch)."""
     stop = chunk_end(pos, end, chunk)
-    while stop < end and stop not in stops and chunk_end(stop, end, chunk) - pos <= room:
-        stop = chunk_end(stop, end, chunk)
+    while stop < end and stop not in stops:
+        after = chunk_end(stop, end, chunk)
+        if after - pos > room or (after == end and end - stop < min_batch):
+            break
+        stop = after
     return stop
 
 
@@ -86,10 +92,11 @@ class DecodeBatch:
 
 
 def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False,
-               merge: bool = False) -> DecodeBatch:
+               merge: bool = False, min_batch: int = 2) -> DecodeBatch:
     """The next whole chunk of each prefilling slot while n_batch has room for it beside the sampling steps,
     then the next token of every decoding slot. With `merge` (proven exact at load), a slot that is alone
-    prefills as many whole chunks as n_batch holds in one call, up to its next stop."""
+    prefills as many whole chunks as n_batch holds in one call, up to its next stop, but for a last chunk of
+    fewer than min_batch tokens (`call_end`)."""
     batch = DecodeBatch()
     decoding = [] if prefill_only else [i for i, s in enumerate(slots) if s.pending is not None]
     room = n_batch - len(decoding)
@@ -97,10 +104,7 @@ def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bo
     for i, s in enumerate(slots):
         if s.pending is not None or s.pos >= len(s.target):
             continue
-        if alone:
-            end = call_end(s.pos, len(s.target), chunk, n_batch, s.stops)
-        else:
-            end = chunk_end(s.pos, len(s.target), chunk)
+        end = call_end(s.pos, len(s.target), chunk, n_batch if alone else 0, s.stops, min_batch)
         if end - s.pos > room - len(batch.items):
             batch.waiting = True
             continue

@@ -161,7 +161,7 @@ def reuse_grain(memory: Memory, floor: int | str, probe: Callable[[], ExactReuse
     return dataclasses.replace(verdict, grain=grain, generated=False, source="forced")
 
 
-def context_params(settings: ContextSettings, backend: Backend, memory: Memory) -> CtxParams:
+def context_params(settings: ContextSettings, backend: Backend, memory: Memory, merged: bool) -> CtxParams:
     """Everything of the context that changes a state's bytes, as the key holds it."""
     return CtxParams(
         kv_streams=settings.n_seq_max,
@@ -175,6 +175,7 @@ def context_params(settings: ContextSettings, backend: Backend, memory: Memory) 
         prefill_chunk=memory.chunk,
         reuse_grain=0 if memory.grain == memory.chunk else memory.grain,
         reuse_min_batch=2 if memory.grain == memory.chunk else memory.min_batch,
+        merged_calls=merged,
         gpu_layers=backend.gpu_layers,
     )
 
@@ -322,7 +323,7 @@ class ModelRegistry:
         settings = dataclasses.replace(settings, flash_attn=backend.flash_attn)
         memory, exact = self._memory(backend, policy, path, settings)
         quant = FTYPES.get(backend.ftype, f"ftype{backend.ftype}")
-        ctx_bytes = context_params(settings, backend, memory).encode()
+        ctx_bytes = context_params(settings, backend, memory, exact.merged).encode()
         shape = state_shape(backend, memory)
         block_shape = shape if blocks and shape is not None and shape.kv is not None else None
         cache = ModelCache(

@@ -333,7 +333,9 @@ class ModelWorker:
         self._sample_stored()
         active = list(self._active)
         slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending, r.stops) for r in active]
-        batch = plan_batch(slots, self.cache.memory.chunk, self.backend.n_batch, prefill_only, self.merge_chunks)
+        memory = self.cache.memory
+        batch = plan_batch(slots, memory.chunk, self.backend.n_batch, prefill_only, self.merge_chunks,
+                           memory.min_batch)
         if not batch.items:
             return batch.waiting
         wanted = sorted(idx for _, idx in (*batch.prefills, *batch.samples))

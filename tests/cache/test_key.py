@@ -97,9 +97,16 @@ def test_the_fewest_batch_changes_the_key_with_a_grain_and_keeps_older_keys() ->
     assert dataclasses.replace(CTX, reuse_min_batch=64).encode() == CTX.encode()  # the chunk rule: no such point
 
 
+def test_merged_calls_that_keep_a_short_end_apart_change_the_key() -> None:
+    fine = dataclasses.replace(CTX, reuse_grain=1)
+    for ctx in (CTX, fine, dataclasses.replace(fine, reuse_min_batch=64)):
+        merged = dataclasses.replace(ctx, merged_calls=True)
+        assert merged.encode() == ctx.encode() + b"tail"
+
+
 def test_scheduling_parameters_are_not_part_of_the_key() -> None:
     fields = {f.name for f in dataclasses.fields(CtxParams)}
-    assert fields == {*CHANGES, "reuse_min_batch"}
+    assert fields == {*CHANGES, "reuse_min_batch", "merged_calls"}
     assert not fields & {"n_batch", "n_ubatch", "n_threads", "n_ctx", "n_seq_max", "seed"}
 
 

@@ -134,8 +134,9 @@ class Engine:
         return collect(self.submit(prompt, name, **params))
 
     def cold(self, prompt: bytes, name: str = "m", **params: object) -> Reply:
-        """The reply a cold prefill gives: a new registry, no store, no live sequence."""
-        other = ModelRegistry(None, POLICY, backend_factory=FakeBackend)
+        """The reply a cold prefill gives: a new registry, no store, no live sequence, and this engine's reuse
+        probe (whose verdict decides how a lone prefill groups its chunks into calls)."""
+        other = ModelRegistry(None, POLICY, backend_factory=FakeBackend, reuse_probe=self.reuse_probe)
         try:
             other.load(name, LoadOptions(path=self.model_file, **self.options[name]))
             params.setdefault("max_tokens", 12)

@@ -156,3 +156,18 @@ def test_a_recurrent_state_stored_off_the_chunks_is_found_by_a_longer_prompt(tmp
     assert (other.route, other.started.cache.restored_tokens) == ("longest_prefix", 16)
     assert e.counter("reuse_refused") == 0
     e.close()
+
+
+def test_a_prompts_one_token_last_chunk_is_a_call_of_its_own_even_in_a_lone_prefill(tmp_path: Path,
+                                                                                    store: WatchedStore) -> None:
+    """A lone prefill puts several chunks in one call, but not a last chunk of fewer than min_batch tokens
+    (here one): a prompt cut back to its last chunk boundary after a restart prefills that token alone, and a
+    cold prefill must have given it the same kernels, whether or not it ran beside another sequence."""
+    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    assert e.load().exact_reuse.merged
+    prompt = plain(4 * CHUNK + 1, 9)
+    e.run(prompt + plain(20, 10)[1:])
+    reply = e.restarted().run(prompt)
+    assert (reply.started.cache.restored_tokens, reply.started.cache.prefilled_tokens) == (4 * CHUNK, 1)
+    assert reply.text == e.cold(prompt).text
+    e.close()

@@ -107,3 +107,14 @@ def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill
         elif s.pos < len(s.target):
             assert batch.waiting
     assert [i for c in batch.calls for i in range(*c)] == list(range(len(batch.items)))
+
+
+def test_a_short_last_chunk_stays_a_call_of_its_own_when_chunks_are_merged() -> None:
+    """Inside a larger call its tokens would take other kernels than the chunked prefill gives them (flash
+    attention's tiled path from 64 rows; a token alone its own path), and the prompt's floats would depend on
+    whether its prefill ran alone."""
+    assert call_end(0, 650, 128, 512, min_batch=64) == 512 and call_end(512, 650, 128, 512, min_batch=64) == 640
+    assert call_end(512, 710, 128, 512, min_batch=64) == 710  # a last chunk of 70 is merged
+    assert call_end(0, 257, 128, 512) == 256 and call_end(0, 258, 128, 512) == 258  # one token alone; two merged
+    assert call_end(0, 257, 128, 0) == 128
+
