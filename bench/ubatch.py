@@ -64,7 +64,7 @@ def measure_one(flash_attn: bool, ubatch: int, prompt: Path, decode: int) -> dic
     tokens = be.tokenize(prompt.read_bytes())
     t0, pos = time.perf_counter(), 0
     while pos < len(tokens):
-        end = call_end(pos, len(tokens), N_BATCH // 4, N_BATCH, min_batch=verdict.min_batch)
+        end = call_end(pos, len(tokens), N_BATCH // 4, N_BATCH, min_batch=verdict.min_batch, spans=verdict.spans)
         be.decode([BatchItem(tokens[i], i, 0, i == end - 1) for i in range(pos, end)])
         pos = end
     out["prefill"] = len(tokens) / (time.perf_counter() - t0)

@@ -229,6 +229,8 @@ class CtxParams:
       chunk a call of its own when it holds fewer tokens than a batch needs for the full chunks' kernels
       (reuse_min_batch; 2: one token). Older daemons merged that chunk too, so their states' last tokens
       have other floats; the marker keeps them apart.
+    spanned_calls: every prefill call holds reuse_min_batch tokens at least (proven at load): a short last
+      chunk joins the call before it, so its tokens have the floats of a full batch, not of a short one.
 
     Deliberately NOT included, because they change how work is scheduled or how much fits, not the
     bytes of a prompt's state: n_ctx, n_batch, n_ubatch, n_threads, and the sampling seed. (A state too
@@ -248,18 +250,20 @@ class CtxParams:
     reuse_grain: int = 0
     reuse_min_batch: int = 2
     merged_calls: bool = False
+    spanned_calls: bool = False
 
     def encode(self) -> bytes:
         """40 bytes, little-endian: u8 layout version (3), u32 kv_streams, u32 type_k, u32 type_v,
         u8 flash_attn, u8 kv_unified, u8 swa_full, f64 rope_freq_base, f64 rope_freq_scale,
         u32 prefill_chunk, u32 gpu_layers; then a u32 reuse_grain only when it is set, and after it a u32
         reuse_min_batch only when it is over 2, so the states made under the older rules keep their keys; last the
-        four bytes b"tail" when merged_calls is set."""
+        four bytes b"tail" when merged_calls is set, and b"span" when spanned_calls is."""
         try:
             grain = struct.pack("<I", self.reuse_grain) if self.reuse_grain else b""
             if self.reuse_grain and self.reuse_min_batch > 2:
                 grain += struct.pack("<I", self.reuse_min_batch)
             grain += b"tail" if self.merged_calls else b""
+            grain += b"span" if self.spanned_calls else b""
             return _CTX_STRUCT.pack(
                 _CTX_LAYOUT_VERSION,
                 self.kv_streams,

@@ -49,8 +49,11 @@ def resolve_flash_attn(asked: bool | None, sliding_window: int, swa_full: bool) 
     without it, the more so the longer the prompt (3,000 tokens 1.03x, 12,000 1.11x, 24,000 1.18x), its warm
     starts exact at the same points (the load-time probe's verdict is the same both ways). SmolLM2 prefilled
     8,000 tokens 1.2x faster with it, but its CPU kernel's other path under 64 rows makes every warm start
-    prefill 64 tokens at least (barreld.engine.exactness): bench.llama_server's chat took 1.38x llama-server's
-    median time to first token with it, 0.83x without, its agent trace 0.88x against 0.86x."""
+    prefill 64 tokens at least (barreld.engine.exactness). With calls of 64 tokens at least (the probe's spans)
+    bench.llama_server's live chat took 0.90x llama-server's median time to first token, its agent trace 0.83x,
+    but an exact hit after a restart prefills 64 tokens, not 2: a stored row keeps the logits of its own end
+    only, and a conversation's earlier prompts are aliases of its latest row (a chat's first turn after a
+    restart 0.13x llama-server's, against 0.03x to 0.05x without; one turn in seven slower than llama-server)."""
     return sliding_window > 0 and swa_full if asked is None else asked
 
 

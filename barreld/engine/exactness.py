@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
 MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
-PROBE_VERSION = 6  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 8  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
@@ -64,6 +64,7 @@ class ExactReuse:
     generated: bool = False
     min_batch: int = 2
     merged: bool = False  # a lone prefill may put several whole chunks in one llama.cpp call
+    spans: bool = False  # every call holds min_batch tokens at least (`plan.call_end`)
     source: str = "chunk"  # probe, memo, chunk (not measured: the coarse rule), or forced (policy reuse_grain)
     probe_ms: float = 0.0
 
@@ -74,7 +75,9 @@ class ExactReuse:
             what = "any prefilled token"
         else:
             what = f"prefilled tokens at multiples of {self.grain}"
-        if self.grain < chunk and self.min_batch > 2:
+        if self.grain < chunk and self.spans:
+            what += f" at least {self.min_batch} short of the prompt's end, every call holding {self.min_batch}"
+        elif self.grain < chunk and self.min_batch > 2:
             what += f" at least {self.min_batch} short of a chunk boundary"
         what += ", generated tokens too" if self.generated else ""
         return what + ("; a lone prefill takes several chunks a call" if self.merged else "")
@@ -100,12 +103,14 @@ class ReuseProbe:
         kept = self.memo.get(key)
         if isinstance(kept, dict) and isinstance(kept.get("grain"), int) and memory.chunk % kept["grain"] == 0:
             return ExactReuse(kept["grain"], bool(kept.get("generated")), int(kept.get("min_batch", 2)),
-                              bool(kept.get("merged")), "memo", float(kept.get("probe_ms", 0)))
+                              bool(kept.get("merged")), bool(kept.get("spans")), "memo",
+                              float(kept.get("probe_ms", 0)))
         verdict = measure(backend, memory)
         if verdict.source == "probe":
             self.memo.put(key, {**asdict(verdict), "model": str(path), "at": time.time()})
-        log.info("%s: reuse grain %d, batches of %d tokens at least, generated tokens %s, %s (probe %.0f ms)",
-                 path.name, verdict.grain, verdict.min_batch, "reusable" if verdict.generated else "not reusable",
+        log.info("%s: reuse grain %d, batches of %d tokens at least%s, generated tokens %s, %s (probe %.0f ms)",
+                 path.name, verdict.grain, verdict.min_batch, " in every call" if verdict.spans else "",
+                 "reusable" if verdict.generated else "not reusable",
                  "several chunks a call" if verdict.merged else "one chunk a call", verdict.probe_ms)
         return verdict
 
@@ -114,13 +119,14 @@ def measure(backend: Backend, memory: Memory) -> ExactReuse:
     """Probes on sequence 0 of an idle backend, which it leaves empty; any failure gives the chunk rule."""
     t0 = time.perf_counter()
     try:
-        grain, min_batch, generated, merged = _Probe(backend, memory).run()
+        grain, min_batch, generated, merged, spans = _Probe(backend, memory).run()
     except (BackendError, ValueError) as exc:
         log.warning("the reuse probe failed (%s); reuse stays at chunk boundaries", exc)
-        grain, min_batch, generated, merged = memory.chunk, 2, False, False
+        grain, min_batch, generated, merged, spans = memory.chunk, 2, False, False, False
     finally:
         backend.seq_rm(PROBE_SEQ, 0, -1)
-    return ExactReuse(grain, generated, min_batch, merged, "probe", round((time.perf_counter() - t0) * 1000.0, 1))
+    return ExactReuse(grain, generated, min_batch, merged, spans, "probe",
+                      round((time.perf_counter() - t0) * 1000.0, 1))
 
 
 def candidates(chunk: int) -> list[tuple[int, int]]:
@@ -145,7 +151,7 @@ class _Probe:
         self.cold: tuple[bytes, bytes] = (b"", b"")  # the state bytes and last logits of a cold prefill
         self.last_rows = 0  # rows in the last batch decoded
 
-    def run(self) -> tuple[int, int, bool, bool]:
+    def run(self) -> tuple[int, int, bool, bool, bool]:
         c = self.memory.chunk
         ref_logits = self._prefill(0, self.end)
         self.cold = cold = (bytes(self.be.state_get(PROBE_SEQ)), ref_logits.tobytes())
@@ -158,8 +164,10 @@ class _Probe:
         for grain, min_batch in [] if self.base else candidates(c):
             points = self._points(grain, min_batch)
             if points and all(self._warm(k, cut, grain, min_batch) == cold for k, cut in points):
-                return grain, min_batch, self._generated(grain, min_batch), self._merged(points, grain, min_batch)
-        return c, 2, False, self._merged([(self.base + c, False)], c, 2)
+                merged = self._merged(points, grain, min_batch)
+                return (grain, min_batch, self._generated(grain, min_batch), merged,
+                        self._spans(grain, min_batch, merged))
+        return c, 2, False, self._merged([(self.base + c, False)], c, 2), False
 
     def _merged(self, points: list[tuple[int, bool]], grain: int, min_batch: int) -> bool:
         """Whether calls of up to n_batch tokens, ending on chunk boundaries, give the chunked floats: a cold
@@ -172,6 +180,49 @@ class _Probe:
         if (bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()) != self.cold:
             return False
         return all(self._warm(k, cut, grain, min_batch, room) == self.cold for k, cut in points)
+
+    def _spans(self, grain: int, min_batch: int, merged: bool) -> bool:
+        """Whether calls that each hold min_batch tokens at least, running on past chunk boundaries where they
+        must (`plan.call_end`'s spans), give the chunked floats: a prompt whose last chunk is short of min_batch
+        prefilled cold that way; warm, from a point short of min_batch tokens before a chunk boundary in a
+        longer prompt cut back there, and from a state whose own last chunk was that short (it joined the call
+        before it), kept whole; in one chunk a call, and in merged calls too where those are allowed. Tried for
+        full attention (its states are cut, and warm starts fall anywhere) with a fewest batch over 2, where
+        n_batch holds the longest such call."""
+        c, b, memory = self.memory.chunk, self.base, self.memory
+        if not memory.cuts_states or min_batch <= 2 or self.be.n_batch < c + 2 * min_batch:
+            return False
+        end = b + 2 * c + min_batch // 2
+        # k this far before a chunk boundary, its first call holding about min_batch tokens in all; and a
+        # state's own last chunk this short: the tightest cases the rules allow
+        near = self._odd_multiple(grain, -(-min_batch // 2), min_batch - 1)
+        short = self._odd_multiple(grain, 1, min_batch - 1)
+        if not near or not short:
+            return False
+        rules = {"min_batch": min_batch, "spans": True}
+        self._clear()
+        logits = self._prefill(0, end, **rules)
+        cold = (bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes())
+        for room in (0, self.be.n_batch) if merged else (0,):
+            self._clear()
+            if room and self._finish(0, room, end, **rules) != cold:
+                return False
+            self.be.state_set(PROBE_SEQ, memoryview(self.cold[0]))  # exact past the cut
+            self.be.seq_rm(PROBE_SEQ, b + 2 * c - near, -1)
+            if self._finish(b + 2 * c - near, room, end, **rules) != cold:
+                return False
+            self._clear()
+            self._prefill(0, b + c + short, **rules)
+            if self._finish(b + c + short, room, end, **rules) != cold:
+                return False
+        return True
+
+    @staticmethod
+    def _odd_multiple(grain: int, low: int, high: int) -> int:
+        """The smallest odd multiple of the grain in [low, high] (any multiple where no odd one is); 0: none."""
+        fits = [m for m in range(-(-low // grain), high // grain + 1) if m > 0]
+        odd = [m for m in fits if m % 2]
+        return min(odd or fits, default=0) * grain
 
     def _points(self, grain: int, min_batch: int) -> list[tuple[int, bool]]:
         """Where the warm starts keep their tokens, and whether each cuts a longer prompt back (a live
@@ -223,15 +274,16 @@ class _Probe:
             self._decode(pos, pos + 1)
         return self._finish(end) == self.cold
 
-    def _finish(self, pos: int, room: int = 0) -> tuple[bytes, bytes]:
-        logits = self._prefill(pos, self.end, room)
+    def _finish(self, pos: int, room: int = 0, end: int = 0, min_batch: int = 2,
+                spans: bool = False) -> tuple[bytes, bytes]:
+        logits = self._prefill(pos, end or self.end, room, min_batch, spans)
         return bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes()
 
-    def _prefill(self, pos: int, end: int, room: int = 0) -> np.ndarray:
-        """From pos to end in the engine's chunks, a call each or, given room, as many as room holds; the last
-        logits."""
+    def _prefill(self, pos: int, end: int, room: int = 0, min_batch: int = 2, spans: bool = False) -> np.ndarray:
+        """From pos to end in the engine's chunks, a call each or, given room, as many as room holds (with
+        `spans`, calls of min_batch tokens at least); the last logits."""
         while pos < end:
-            stop = call_end(pos, end, self.memory.chunk, room)
+            stop = call_end(pos, end, self.memory.chunk, room, (), min_batch, spans)
             self._decode(pos, stop)
             pos = stop
         return self.be.logits(self.last_rows - 1)

@@ -46,8 +46,9 @@ def memory_kind(n_swa: int, recurrent: bool, hybrid: bool) -> MemoryKind:
 @dataclass(frozen=True)
 class Memory:
     """One loaded model's memory: its kind, sliding window, swa_full setting, prefill chunk size, reuse
-    grain (0: the chunk size, the rule for a model with nothing finer proven) and the fewest tokens a batch
-    off a chunk boundary may hold (`min_batch`)."""
+    grain (0: the chunk size, the rule for a model with nothing finer proven), the fewest tokens a batch
+    off a chunk boundary may hold (`min_batch`), and whether every prefill call holds that many (`spans`,
+    `barreld.engine.plan.call_end`)."""
 
     kind: MemoryKind
     window: int = 0
@@ -55,6 +56,7 @@ class Memory:
     chunk: int = 64
     grain: int = 0
     min_batch: int = 2
+    spans: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -104,16 +106,21 @@ class Memory:
         batch, which takes other kernels)."""
         if frontier <= 0:
             return frontier
+        if self.spans:  # every call held min_batch tokens, but a prompt's only call may hold fewer
+            return frontier if frontier >= self.min_batch else 0
         tail = frontier - (frontier - 1) // self.chunk * self.chunk
         return frontier - tail if tail < self.min_batch else frontier
 
     def aligned(self, frontier: int, matched: int, n: int, logits_at: int | None) -> int:
         """The reuse point for a prompt of n tokens whose first `matched` tokens are those of a state holding
         `frontier` prefilled ones: the whole prompt when its logits after n tokens are known, else the last
-        multiple of the grain below n that leaves at least min_batch tokens before the next chunk boundary."""
+        multiple of the grain below n that leaves at least min_batch tokens before the next chunk boundary (with
+        `spans`, before the prompt's end: the warm start's first call runs on past that boundary)."""
         if min(frontier, matched) == n and logits_at == n:
             return n
         k = min(self.extendable(frontier), matched, n - 1) // self.grain * self.grain
+        if self.spans:
+            return max(min(k, (n - self.min_batch) // self.grain * self.grain), 0)
         while k > 0 and k % self.chunk and chunk_end(k, n, self.chunk) - k < self.min_batch:
             k -= self.grain
         return max(k, 0)
@@ -160,6 +167,11 @@ class Memory:
         if self.kind is MemoryKind.SWA:
             return pos_min <= max(0, k - self.window)
         return pos_min == k - 1
+
+    def ends_call_at(self, b: int, kept: int, n: int) -> bool:
+        """Whether a prefill of n tokens from `kept` can end a call at the chunk boundary b (where a save must
+        be taken): with `spans`, not within min_batch tokens of either end, where a call runs on past it."""
+        return not self.spans or (b - kept >= self.min_batch and n - b >= self.min_batch)
 
     def snapshot_point(self, n: int, kept: int) -> int:
         """Where a memory that cannot be cut keeps a copy of its state while prefilling a prompt of n tokens

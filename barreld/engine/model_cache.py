@@ -191,8 +191,13 @@ class ModelCache:
         if self.snapshots_boundaries:
             return None  # the boundary snapshots take its place (`boundary_points`)
         b = self.policy.cold_save_length(n_tokens)
-        b = None if b is None else b // self.memory.chunk * self.memory.chunk
-        return b if b is not None and b > kept and self.policy.allows_save(b) else None
+        if b is None:
+            return None
+        b = b // self.memory.chunk * self.memory.chunk
+        if not self.memory.ends_call_at(b, kept, n_tokens):
+            b -= self.memory.chunk  # a call runs on past it: the boundary before, where one ends
+        ok = b > kept and self.memory.ends_call_at(b, kept, n_tokens) and self.policy.allows_save(b)
+        return b if ok else None
 
     def continued_due(self, generated: int) -> bool:
         interval = self.policy.continued_interval

@@ -11,6 +11,11 @@ n_batch tokens, where the load-time probe proved that such calls give the chunke
 (`barreld.engine.exactness`): llama.cpp prefills faster in larger batches (its CPU kernels split the work
 over more rows and meet at fewer barriers). A call still ends at every point the prompt is saved at.
 
+Where a short batch takes other kernels (flash attention's CPU kernel under 64 rows), the probe may prove a
+third rule, `spans`: every call holds min_batch tokens at least, running on past a chunk boundary where it
+must. A warm start then reuses up to min_batch tokens before the prompt's end, not before the next chunk
+boundary, and a state whose last chunk was short is still reusable to its last token.
+
 Each prefill run is decoded in a llama.cpp call of its own, and the sampling steps in one after them. With
 several sequences (a KV stream each), llama.cpp cuts a batch into micro-batches holding equally many tokens of
 every sequence in it, so beside one sampling step a chunk's first token would go into a micro-batch of its own
@@ -32,16 +37,27 @@ def chunk_end(pos: int, end: int, chunk: int) -> int:
     return min((pos // chunk + 1) * chunk, end)
 
 
-def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] = (), min_batch: int = 2) -> int:
+def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] = (), min_batch: int = 2,
+             spans: bool = False) -> int:
     """Where one llama.cpp call that prefills from pos ends when it may hold several whole chunks: the last
     chunk end within `room` tokens of pos (the first chunk's end at least), short of any of `stops`. A prompt's
     last chunk of fewer than min_batch tokens stays a call of its own, as the chunked prefill has it: inside a
     larger call its tokens would take the larger call's kernels (flash attention's tiled path; with a chunk of
-    one token, the path of a batch)."""
+    one token, the path of a batch).
+
+    With `spans` (proven at load, `barreld.engine.exactness`) every call holds min_batch tokens at least instead:
+    a call that would hold fewer runs on through the next chunk, and a last chunk of fewer joins the call
+    before it, whatever `stops` and `room` say. Every token then takes the kernels of a full batch, wherever a
+    warm start began, so a state is reusable to its last token and a warm start may begin anywhere short of
+    min_batch tokens before the prompt's end."""
     stop = chunk_end(pos, end, chunk)
+    while spans and stop < end and (stop - pos < min_batch or end - stop < min_batch):
+        stop = chunk_end(stop, end, chunk)
     while stop < end and stop not in stops:
         after = chunk_end(stop, end, chunk)
-        if after - pos > room or (after == end and end - stop < min_batch):
+        if spans and end - after < min_batch:
+            after = end
+        if after - pos > room or (not spans and after == end and end - stop < min_batch):
             break
         stop = after
     return stop
@@ -92,11 +108,11 @@ class DecodeBatch:
 
 
 def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False,
-               merge: bool = False, min_batch: int = 2) -> DecodeBatch:
+               merge: bool = False, min_batch: int = 2, spans: bool = False) -> DecodeBatch:
     """The next whole chunk of each prefilling slot while n_batch has room for it beside the sampling steps,
     then the next token of every decoding slot. With `merge` (proven exact at load), a slot that is alone
     prefills as many whole chunks as n_batch holds in one call, up to its next stop, but for a last chunk of
-    fewer than min_batch tokens (`call_end`)."""
+    fewer than min_batch tokens; with `spans`, every call holds min_batch tokens at least (`call_end`)."""
     batch = DecodeBatch()
     decoding = [] if prefill_only else [i for i, s in enumerate(slots) if s.pending is not None]
     room = n_batch - len(decoding)
@@ -104,7 +120,7 @@ def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bo
     for i, s in enumerate(slots):
         if s.pending is not None or s.pos >= len(s.target):
             continue
-        end = call_end(s.pos, len(s.target), chunk, n_batch if alone else 0, s.stops, min_batch)
+        end = call_end(s.pos, len(s.target), chunk, n_batch if alone else 0, s.stops, min_batch, spans)
         if end - s.pos > room - len(batch.items):
             batch.waiting = True
             continue

@@ -176,6 +176,7 @@ def context_params(settings: ContextSettings, backend: Backend, memory: Memory, 
         reuse_grain=0 if memory.grain == memory.chunk else memory.grain,
         reuse_min_batch=2 if memory.grain == memory.chunk else memory.min_batch,
         merged_calls=merged,
+        spanned_calls=memory.spans,
         gpu_layers=backend.gpu_layers,
     )
 
@@ -352,7 +353,7 @@ class ModelRegistry:
         probe = self.reuse_probe
         exact = reuse_grain(memory, policy.reuse_grain,
                             None if probe is None else lambda: probe(backend, memory, path, settings))
-        return dataclasses.replace(memory, grain=exact.grain, min_batch=exact.min_batch), exact
+        return dataclasses.replace(memory, grain=exact.grain, min_batch=exact.min_batch, spans=exact.spans), exact
 
     def _blocks_fit(self, name: str, policy: Policy, chunk: int) -> bool:
         """Whether the store keeps this model's checkpoints as blocks. Blocks must start where the prefill's

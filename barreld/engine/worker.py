@@ -34,7 +34,7 @@ from barreld.engine.chat import Message
 from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import ModelCache
-from barreld.engine.plan import Slot, byte_offsets, chunk_end, plan_batch
+from barreld.engine.plan import Slot, byte_offsets, call_end, plan_batch
 from barreld.engine.request import (
     Alternative,
     CompletionParams,
@@ -335,7 +335,7 @@ class ModelWorker:
         slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending, r.stops) for r in active]
         memory = self.cache.memory
         batch = plan_batch(slots, memory.chunk, self.backend.n_batch, prefill_only, self.merge_chunks,
-                           memory.min_batch)
+                           memory.min_batch, memory.spans)
         if not batch.items:
             return batch.waiting
         wanted = sorted(idx for _, idx in (*batch.prefills, *batch.samples))
@@ -566,8 +566,8 @@ class ModelWorker:
                 self.backend.seq_rm(seq.id, 0, -1)
                 seq.clear()
                 return
-        start = seq.frontier
-        end = chunk_end(start, len(seq.tokens), self.cache.memory.chunk)
+        start, memory = seq.frontier, self.cache.memory
+        end = call_end(start, len(seq.tokens), memory.chunk, 0, min_batch=memory.min_batch, spans=memory.spans)
         try:
             self.backend.decode([BatchItem(seq.tokens[p], p, seq.id, p == end - 1) for p in range(start, end)])
         except BackendError as exc:

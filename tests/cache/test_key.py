@@ -104,9 +104,15 @@ def test_merged_calls_that_keep_a_short_end_apart_change_the_key() -> None:
         assert merged.encode() == ctx.encode() + b"tail"
 
 
+def test_calls_that_hold_min_batch_tokens_across_chunks_change_the_key() -> None:
+    fine = dataclasses.replace(CTX, reuse_grain=1, reuse_min_batch=64)
+    for ctx in (fine, dataclasses.replace(fine, merged_calls=True)):
+        assert dataclasses.replace(ctx, spanned_calls=True).encode() == ctx.encode() + b"span"
+
+
 def test_scheduling_parameters_are_not_part_of_the_key() -> None:
     fields = {f.name for f in dataclasses.fields(CtxParams)}
-    assert fields == {*CHANGES, "reuse_min_batch", "merged_calls"}
+    assert fields == {*CHANGES, "reuse_min_batch", "merged_calls", "spanned_calls"}
     assert not fields & {"n_batch", "n_ubatch", "n_threads", "n_ctx", "n_seq_max", "seed"}
 
 

@@ -48,7 +48,7 @@ def test_calls_of_several_chunks_are_allowed_where_they_give_the_chunked_floats(
     assert verdict.merged and "several chunks a call" in verdict.describe(32)
     be = opened(write_gguf(tmp_path / "fa.gguf"), ContextSettings(n_ctx=1024, n_batch=512, flash_attn=True))
     verdict = measure(be, model_memory(be, 128))
-    assert (verdict.grain, verdict.min_batch, verdict.merged) == (1, 64, True)
+    assert (verdict.grain, verdict.min_batch, verdict.merged, verdict.spans) == (1, 64, True, True)
     be = opened(write_gguf(tmp_path / "n.gguf"), ContextSettings(n_ctx=256, n_batch=32))
     assert not measure(be, model_memory(be, 32)).merged  # n_batch is one chunk: nothing to merge
 
@@ -59,7 +59,31 @@ def test_a_model_whose_small_batches_take_another_path_is_reused_where_a_full_ba
     be = opened(write_gguf(tmp_path / "m.gguf", min_batch=8), ContextSettings(n_ctx=256, n_batch=128))
     verdict = measure(be, model_memory(be, 32))
     assert (verdict.grain, verdict.min_batch) == (1, 8)
-    assert "at least 8 short of a chunk boundary" in verdict.describe(32)
+    assert "at least 8 short of the prompt's end" in verdict.describe(32)  # every call holding 8 (spans)
+
+
+def test_calls_that_hold_min_batch_across_chunk_boundaries_are_allowed_where_they_give_the_chunked_floats(
+    tmp_path: Path
+) -> None:
+    be = opened(write_gguf(tmp_path / "m.gguf", min_batch=8), ContextSettings(n_ctx=256, n_batch=128))
+    verdict = measure(be, model_memory(be, 32))
+    assert verdict.spans and "8 short of the prompt's end, every call holding 8" in verdict.describe(32)
+    crossing = Crossing(write_gguf(tmp_path / "c.gguf", min_batch=8), ContextSettings(n_ctx=256, n_batch=128))
+    verdict = measure(crossing, model_memory(crossing, 32))
+    assert (verdict.grain, verdict.min_batch, verdict.merged, verdict.spans) == (1, 8, False, False)
+    small = opened(write_gguf(tmp_path / "s.gguf", min_batch=8), ContextSettings(n_ctx=256, n_batch=40))
+    assert not measure(small, model_memory(small, 32)).spans  # no room for 32 + 2 * 8 in a call
+    plain_model = opened(write_gguf(tmp_path / "p.gguf"), ContextSettings(n_ctx=256, n_batch=128))
+    assert not measure(plain_model, model_memory(plain_model, 32)).spans  # any two tokens do: nothing to gain
+
+
+class Crossing(FakeBackend):
+    """Floats that also depend on a call crossing a chunk boundary (32) from a point off one: calls of several
+    whole chunks and calls that run on through the next chunk both give other floats."""
+
+    def _split(self, run: list[int]) -> bytes:
+        crosses = run[0] % 32 and run[0] // 32 != run[-1] // 32
+        return super()._split(run) + (b"x" if crosses else b"")
 
 
 def test_a_fewest_batch_the_chunk_cannot_hold_twice_keeps_the_chunk_rule(tmp_path: Path) -> None:
@@ -169,5 +193,31 @@ def test_a_prompts_one_token_last_chunk_is_a_call_of_its_own_even_in_a_lone_pref
     e.run(prompt + plain(20, 10)[1:])
     reply = e.restarted().run(prompt)
     assert (reply.started.cache.restored_tokens, reply.started.cache.prefilled_tokens) == (4 * CHUNK, 1)
+    assert reply.text == e.cold(prompt).text
+    e.close()
+
+
+def test_with_calls_of_min_batch_a_state_is_restored_to_its_end_and_warm_starts_fall_near_chunk_boundaries(
+    tmp_path: Path, store: WatchedStore
+) -> None:
+    """Every call holding 8 tokens at least (spans): a prompt's 3-token last chunk joined the call before it,
+    so after a restart a longer prompt restores all 67 tokens (the rule for a short last chunk otherwise: 64);
+    and a live sequence is cut at 61, 3 short of a chunk boundary (the warm start's first call runs on through
+    the next chunk; otherwise: 56). Every reply a cold prefill's."""
+    model = write_gguf(tmp_path / "fake.gguf", min_batch=8)
+    e = Engine(tmp_path, store, model_file=model, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    loaded = e.load(policy={"prefill_chunk_size": "16"})
+    assert loaded.exact_reuse.spans and loaded.memory.spans
+    head = plain(4 * 16 + 3, 12)
+    e.run(head)
+    prompt = head + plain(20, 13)[1:]
+    reply = e.restarted().run(prompt)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("longest_prefix", 4 * 16 + 3)
+    assert reply.text == e.cold(prompt).text
+    head = plain(4 * 16 - 3, 14)
+    e.run(head)
+    prompt = head + plain(20, 15)[1:]
+    reply = e.run(prompt)
+    assert (reply.route, reply.started.cache.restored_tokens) == ("live", 4 * 16 - 3)
     assert reply.text == e.cold(prompt).text
     e.close()

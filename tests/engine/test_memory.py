@@ -3,6 +3,8 @@ real models prove them in tests/engine/test_memory_kinds.py and tests/test_cache
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,6 +73,22 @@ def test_a_fewest_batch_keeps_every_warm_batch_on_the_full_chunks_kernels() -> N
     assert FINE.extendable(769) == 768 == Memory(MemoryKind.FULL, chunk=64, grain=1, min_batch=2).extendable(769)
     with pytest.raises(ValueError, match="at least 2"):
         Memory(MemoryKind.FULL, chunk=64, grain=1, min_batch=1)
+
+
+SPANNING = dataclasses.replace(TILED, spans=True)  # and every call holds 64 tokens at least
+
+
+def test_with_spans_a_state_is_reusable_to_its_end_and_a_warm_start_leaves_min_batch_to_the_prompt_end() -> None:
+    assert SPANNING.extendable(930) == 930 and SPANNING.extendable(897) == 897  # short last chunks joined a call
+    assert SPANNING.extendable(63) == 0 and SPANNING.extendable(64) == 64  # a prompt's only call held 63
+    assert SPANNING.aligned(1000, 1000, 1100, None) == 1000  # 1000..1099: one call of 100, over 1024
+    assert SPANNING.aligned(1050, 1050, 1100, None) == 1036 and SPANNING.aligned(1100, 1100, 1100, 1100) == 1100
+    assert SPANNING.aligned(930, 930, 1100, None) == 930 and TILED.aligned(930, 930, 1100, None) == 896
+    assert SPANNING.aligned(1024, 1024, 1050, None) == 986  # a chunk boundary too: 1024..1049 alone is short
+    assert SPANNING.aligned(100, 100, 120, None) == 56 and SPANNING.aligned(100, 100, 60, None) == 0
+    assert SPANNING.reusable(64, False) and not SPANNING.reusable(63, False) and SPANNING.reusable(63, True)
+    assert SPANNING.ends_call_at(1024, 960, 1100) and not SPANNING.ends_call_at(1024, 1000, 1200)
+    assert not SPANNING.ends_call_at(1024, 896, 1050) and TILED.ends_call_at(1024, 1000, 1050)
 
 
 def test_the_grain_is_the_chunk_unless_a_finer_one_is_given() -> None:

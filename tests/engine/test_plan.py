@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from barreld.engine.backend import BatchItem
@@ -118,3 +118,36 @@ def test_a_short_last_chunk_stays_a_call_of_its_own_when_chunks_are_merged() -> 
     assert call_end(0, 257, 128, 512) == 256 and call_end(0, 258, 128, 512) == 258  # one token alone; two merged
     assert call_end(0, 257, 128, 0) == 128
 
+
+
+def test_with_spans_every_call_holds_min_batch_tokens_across_chunk_boundaries() -> None:
+    """Where the probe proved it: a warm start short of min_batch before a chunk boundary runs on through the
+    next chunk, and a last chunk of fewer joins the call before it, alone or not, whatever the stops say."""
+    assert call_end(1000, 1300, 128, 0, min_batch=64, spans=True) == 1152  # 24 to the boundary: and the next
+    assert call_end(1000, 1050, 128, 0, min_batch=64, spans=True) == 1050
+    assert call_end(1024, 1100, 128, 0, min_batch=64, spans=True) == 1100
+    assert call_end(896, 1050, 128, 0, min_batch=64, spans=True) == 1050  # a last chunk of 26 joins it
+    assert call_end(896, 1050, 128, 0, {1024}, min_batch=64, spans=True) == 1050
+    assert call_end(0, 300, 128, 0, min_batch=64, spans=True) == 128  # a last chunk of 44 joins the next call
+    assert call_end(128, 300, 128, 0, min_batch=64, spans=True) == 300
+    assert call_end(0, 300, 128, 512, min_batch=64, spans=True) == 300  # merged: one call
+    assert call_end(0, 300, 128, 200, min_batch=64, spans=True) == 128  # 256 would leave 44 alone
+    assert call_end(0, 300, 128, 512, {128}, min_batch=64, spans=True) == 128
+    assert call_end(0, 40, 128, 0, min_batch=64, spans=True) == 40  # a prompt that short has one call
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 700), st.integers(1, 700), st.sampled_from([16, 32, 128]), st.sampled_from([4, 8, 64]),
+       st.booleans())
+def test_with_spans_a_prefill_is_calls_of_min_batch_at_least(start: int, extra: int, chunk: int, min_batch: int,
+                                                              alone: bool) -> None:
+    if 2 * min_batch > chunk:
+        return
+    end, pos, calls = start + extra, start, []
+    while pos < end:
+        stop = call_end(pos, end, chunk, 4 * chunk if alone else 0, min_batch=min_batch, spans=True)
+        assert pos < stop <= end and (stop == end or stop % chunk == 0)
+        assert stop - pos <= chunk + 2 * min_batch or alone  # n_batch at load holds the longest
+        calls.append(stop - pos)
+        pos = stop
+    assert all(n >= min_batch for n in calls) or calls == [extra]  # only a prefill that short has fewer
