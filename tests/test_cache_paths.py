@@ -61,7 +61,7 @@ MODELS = {
     # flash attention and a q8_0 cache: other kernels, another grain (the floats follow the split more)
     "smollm2_fa": Model(lambda: bundled_model_path("smollm2"), 'flash_attn = true\ntype_k = "q8_0"\n'
                         'type_v = "q8_0"\n', 600, "full"),
-    # flash attention on an f16 cache: its tiled path from 64 rows (a fewest batch of 64, a last chunk apart)
+    # flash attention on an f16 cache: its tiled path from 64 rows (a fewest batch of 64; calls of 64 at least)
     "smollm2_tiled": Model(lambda: bundled_model_path("smollm2"), "flash_attn = true\n", 660, "full"),
     "gemma": Model(gemma_path, "swa_full = true\n", 620, "swa"),
     "gemma_ring": Model(gemma_path, "swa_full = false\n", 1300, "swa"),  # past 1,024 tokens: the ring wraps
@@ -104,15 +104,17 @@ def flush(w: Sandbox, model: str) -> None:
     ask(w, model, "Zebras flush the context.")
 
 
-def grains(w: Sandbox) -> dict[str, int]:
-    """Each model's reuse grain, as its load's probe measured it (the chunk when nothing finer is exact)."""
-    return {m["name"]: m["exact_reuse"]["grain"] for m in w.ctl("--json", "models").json()["models"]}
+def verdicts(w: Sandbox) -> dict[str, dict]:
+    """Each model's reuse verdict, as its load's probe measured it (grain: the chunk when nothing finer is
+    exact)."""
+    return {m["name"]: m["exact_reuse"] for m in w.ctl("--json", "models").json()["models"]}
 
 
 def full_rule(w: Sandbox) -> Memory:
     """The bundled model's reuse rule, at the grain and fewest batch its daemon measured."""
     rule = next(m["exact_reuse"] for m in w.ctl("--json", "models").json()["models"] if m["name"] == "smollm2")
-    return Memory(MemoryKind.FULL, chunk=CHUNK, grain=rule["grain"], min_batch=rule["min_batch"])
+    return Memory(MemoryKind.FULL, chunk=CHUNK, grain=rule["grain"], min_batch=rule["min_batch"],
+                  spans=bool(rule.get("spans")))
 
 
 def counters(w: Sandbox) -> dict:
@@ -139,13 +141,14 @@ def cold() -> Iterator[Sandbox]:
         yield w
 
 
-def expected_routes(model: str, n1: int) -> dict[str, tuple[str, int]]:
+def expected_routes(model: str, n1: int, spans: int = 0) -> dict[str, tuple[str, int]]:
     """Route and the fewest restored tokens each case takes, for a first prompt of n1 tokens: what the chunk
-    rule gave (a finer grain reuses as much or more).
+    rule gave (a finer grain reuses as much or more), but with calls of `spans` tokens at least (the probe's
+    spans) a warm start leaves that many to the prompt's end, even from a chunk boundary.
 
     A memory that cannot be cut keeps its prompt's state at the last chunk boundary (p) or, where its grain
     allows, at the prompt's end."""
-    p = n1 // CHUNK * CHUNK
+    p = n1 // CHUNK * CHUNK - spans
     # Full attention: turn two's row superseded turn one's, whose key and prompt now find turn two's row,
     # which has no logits at n1: the last partial chunk is prefilled again.
     return {"live": ("live", p), "exact": ("exact", p), "resume": ("resume", p)}
@@ -174,8 +177,9 @@ def test_every_route_replies_as_a_cold_prefill(warm: Sandbox, cold: Sandbox, mod
         # past the cold capture (turn one's last stride boundary), which a state that cannot be cut needs
         ("longest_prefix", turn1[: int(len(turn1) * 0.995)] + " a different ending about a garden", ""),
     ]
-    expected = expected_routes(model, first.prompt_tokens)
-    grain = grains(warm)[model]
+    rule = verdicts(warm)[model]
+    expected = expected_routes(model, first.prompt_tokens, rule["min_batch"] if rule.get("spans") else 0)
+    grain = rule["grain"]
     references = {turn1: ref}  # a cold prefill at temperature 0 replies the same every time: asked once
     for case, prompt, parent in cases:
         if case not in ("live", "midway"):
@@ -275,7 +279,7 @@ def test_models_show_their_memory_kind_and_every_knob_loads(warm: Sandbox) -> No
     assert all(r["source"] in ("probe", "memo") and CHUNK % r["grain"] == 0 for r in reuse.values()), reuse
     assert reuse["smollm2"]["grain"] < CHUNK  # SmolLM2 Q4_1's floats do not depend on the split (FACTS)
     tiled = reuse["smollm2_tiled"]
-    assert (tiled["grain"], tiled["min_batch"], tiled["merged"]) == (1, 64, True), tiled
+    assert (tiled["grain"], tiled["min_batch"], tiled["merged"], tiled["spans"]) == (1, 64, True, True), tiled
     quantised = ("--flash-attn", "--type-k", "q8_0", "--type-v", "q4_0")
     r = warm.ctl("--json", "load", "knobs", "--path", _bundled(), "--n-threads", "2", "--n-gpu-layers", "0",
                  "--no-swa-full", *quantised)
@@ -320,7 +324,7 @@ def test_live_turn_equals_restored_turn_after_restart() -> None:
     with Sandbox.new(POLICY + f"reuse_grain = {CHUNK}\n") as w:
         w.start_daemon()
         assert complete(w, turn1)["text"] == first["text"]
-        assert grains(w)["smollm2"] == CHUNK
+        assert verdicts(w)["smollm2"]["grain"] == CHUNK
         coarse = complete(w, turn2)
         assert coarse["cache"]["path"] == "live" and coarse["cache"]["restored_tokens"] % CHUNK == 0
         assert coarse["text"] == live["text"]
