@@ -103,7 +103,8 @@ class Memory:
     def extendable(self, frontier: int) -> int:
         """How many of `frontier` prefilled tokens a longer prompt can reuse before the grain is applied: all
         but a last chunk of fewer than min_batch tokens (a longer prompt's cold prefill holds them in a larger
-        batch, which takes other kernels)."""
+        batch, which takes other kernels); with `spans`, where every call held min_batch tokens, all of them,
+        unless the prompt was shorter than that."""
         if frontier <= 0:
             return frontier
         if self.spans:  # every call held min_batch tokens, but a prompt's only call may hold fewer

@@ -62,6 +62,15 @@ def test_a_model_whose_small_batches_take_another_path_is_reused_where_a_full_ba
     assert "at least 8 short of the prompt's end" in verdict.describe(32)  # every call holding 8 (spans)
 
 
+class Crossing(FakeBackend):
+    """Floats that also depend on a call crossing a chunk boundary (32) from a point off one: calls of several
+    whole chunks and calls that run on through the next chunk both give other floats."""
+
+    def _split(self, run: list[int]) -> bytes:
+        crosses = run[0] % 32 and run[0] // 32 != run[-1] // 32
+        return super()._split(run) + (b"x" if crosses else b"")
+
+
 def test_calls_that_hold_min_batch_across_chunk_boundaries_are_allowed_where_they_give_the_chunked_floats(
     tmp_path: Path
 ) -> None:
@@ -75,15 +84,6 @@ def test_calls_that_hold_min_batch_across_chunk_boundaries_are_allowed_where_the
     assert not measure(small, model_memory(small, 32)).spans  # no room for 32 + 2 * 8 in a call
     plain_model = opened(write_gguf(tmp_path / "p.gguf"), ContextSettings(n_ctx=256, n_batch=128))
     assert not measure(plain_model, model_memory(plain_model, 32)).spans  # any two tokens do: nothing to gain
-
-
-class Crossing(FakeBackend):
-    """Floats that also depend on a call crossing a chunk boundary (32) from a point off one: calls of several
-    whole chunks and calls that run on through the next chunk both give other floats."""
-
-    def _split(self, run: list[int]) -> bytes:
-        crosses = run[0] % 32 and run[0] // 32 != run[-1] // 32
-        return super()._split(run) + (b"x" if crosses else b"")
 
 
 def test_a_fewest_batch_the_chunk_cannot_hold_twice_keeps_the_chunk_rule(tmp_path: Path) -> None:
