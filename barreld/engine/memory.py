@@ -116,8 +116,10 @@ class Memory:
         """The reuse point for a prompt of n tokens whose first `matched` tokens are those of a state holding
         `frontier` prefilled ones: the whole prompt when its logits after n tokens are known, else the last
         multiple of the grain below n that leaves at least min_batch tokens before the next chunk boundary (with
-        `spans`, before the prompt's end: the warm start's first call runs on past that boundary)."""
-        if min(frontier, matched) == n and logits_at == n:
+        `spans`, before the prompt's end: the warm start's first call runs on past that boundary). A state cut
+        at n with the logits of a prefill that ended there is that prefill's only if its last call held
+        min_batch tokens: a shorter one's tokens were computed again in a full batch when the state grew."""
+        if min(frontier, matched) == n and logits_at == n and (frontier == n or self.extendable(n) == n):
             return n
         k = min(self.extendable(frontier), matched, n - 1) // self.grain * self.grain
         if self.spans:

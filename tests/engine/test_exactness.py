@@ -221,3 +221,22 @@ def test_with_calls_of_min_batch_a_state_is_restored_to_its_end_and_warm_starts_
     assert (reply.route, reply.started.cache.restored_tokens) == ("live", 4 * 16 - 3)
     assert reply.text == e.cold(prompt).text
     e.close()
+
+
+def test_a_prompt_whose_short_last_chunk_settled_again_is_not_restored_whole_from_its_kept_logits(
+    tmp_path: Path, store: WatchedStore
+) -> None:
+    """A prompt of 4 chunks and one token prefills that token alone; settling its reply prefills the token
+    again inside a full batch (other KV). The live sequence cut back to the prompt, kept logits and all, is then
+    not the prompt's state: the same prompt sent again restores the finish row, saved before the settling
+    (the prompt's own state and logits), and replies as cold."""
+    e = Engine(tmp_path, store, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    e.load(policy={"settle_tokens": "infinity"})
+    prompt = plain(4 * CHUNK + 1, 12)
+    e.run(prompt)
+    e.wait_settled()
+    assert e.counter("settled_tokens") > 0
+    again = e.run(prompt)
+    assert (again.route, again.started.cache.restored_tokens) == ("exact", 4 * CHUNK + 1)
+    assert again.text == e.cold(prompt).text
+    e.close()

@@ -41,6 +41,10 @@ def test_a_reuse_point_is_a_chunk_boundary_or_the_whole_prompt_with_its_logits()
     assert FULL.aligned(800, 800, 800, None) == 768  # the last chunk again: its last row gives the logits
     assert FULL.aligned(800, 800, 800, 640) == 768  # logits of another position are no use
     assert FULL.aligned(64, 64, 64, None) == 0
+    # a prompt whose last chunk was one token, found in a state that grew past it: that token was prefilled again
+    # in a full batch, so the state cut there is not the prompt's own, whatever logits were kept
+    assert FULL.aligned(1100, 961, 961, 961) == 960 and FULL.aligned(961, 961, 961, 961) == 961
+    assert FULL.aligned(1100, 962, 962, 962) == 962
 
 
 FINE = Memory(MemoryKind.FULL, chunk=64, grain=1)
