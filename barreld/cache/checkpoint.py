@@ -4,7 +4,7 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
 
     0   8  magic b"BRLKV\\r\\n\\x1a"
     8   4  u32 format version (FORMAT_VERSION)
-    12  4  u32 flags (bit 0: logits present)
+    12  4  u32 flags (bit 0: logits present; bit 1: earlier prompts' logits follow them)
     16  8  u64 file length, trailer included
     24  4  u32 metadata length M
     28  4  u32 token count N
@@ -14,6 +14,7 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
     56  8  zero (reserved)
     64  M  metadata: UTF-8 JSON {key, model, fingerprint, quant, ctx_params, save_reason, created, prefixes,
                                     memory, frontier, logits_at (when the logits do not follow every token),
+                                    prompt_logits (bit 1: after how many tokens each further row was taken),
                                     chain (format 2 only, see `Chain`), tenant and namespace (a
                                     tenant's row only, see `key.Namespace`)}
         ..  zero padding to 8
@@ -22,7 +23,7 @@ Layout (all integers little-endian; offsets derive from the header's lengths):
         ..  zero padding to 64
         S  state
         ..  zero padding to 64
-        L  logits
+        L  logits: rows of float32 of one length, its own (bit 0) first, then one per prompt_logits entry
     end-16  16  xxh3_128 of every byte before it
 
 The state starts 64-byte aligned within the file so the engine can hand it to ctypes as is.
@@ -57,6 +58,7 @@ MAGIC = b"BRLKV\r\n\x1a"
 _HEADER = struct.Struct("<8sIIQIIQQQQ")
 _TRAILER_LEN = 16
 _FLAG_LOGITS = 1
+_FLAG_PROMPT_LOGITS = 2
 MIN_FILE_LEN = _HEADER.size + _TRAILER_LEN
 HEADER_BYTES = _HEADER.size
 
@@ -105,6 +107,9 @@ class Checkpoint:
     which this checkpoint is also findable; they travel in the file so a restart can rebuild them.
     `logits_at` says after how many tokens the logits were taken (None: after all of them); a finish
     checkpoint keeps its prompt's, so resending that prompt samples without evaluating anything.
+    `prompt_logits` are (token count, logits) of earlier prompts its text holds, taken when each was prefilled:
+    a conversation's rows supersede each other, and its earlier prompts, resent (an agent's session replayed
+    after a restart), sample from them.
     `frontier` says how many leading tokens the state holds reusably (None: all of them): the key covers the
     whole text (a finish checkpoint's generated reply too), the state only what was prefilled. `memory` is
     the model's memory kind, which decides whether the state can serve a shorter prefix. `chain`, on a
@@ -126,6 +131,7 @@ class Checkpoint:
     logits: Buffer | None = None
     prefixes: Sequence[tuple[bytes, int]] = field(default_factory=tuple)
     logits_at: int | None = None
+    prompt_logits: Sequence[tuple[int, Buffer]] = ()
     frontier: int | None = None
     memory: str = MemoryKind.FULL.value
     chain: Chain | None = None
@@ -137,6 +143,12 @@ class Checkpoint:
     def logits_tokens(self) -> int:
         """How many leading tokens the stored logits follow."""
         return len(self.tokens) if self.logits_at is None else self.logits_at
+
+    def logits_after(self, n: int) -> Buffer | None:
+        """The stored logits that follow the first n tokens; None when none were kept there."""
+        if self.logits is not None and self.logits_tokens == n:
+            return self.logits
+        return next((row for at, row in self.prompt_logits if at == n), None)
 
     @property
     def frontier_tokens(self) -> int:
@@ -205,7 +217,7 @@ class _Plan:
     tokens: bytes
     rendered: memoryview
     state: memoryview
-    logits: memoryview
+    logits: list[memoryview]
     length: int
 
 
@@ -227,10 +239,16 @@ def _plan(ckpt: Checkpoint) -> _Plan:
     _check(ckpt, len(tokens))
     rendered = memoryview(ckpt.rendered).cast("B")
     state = memoryview(ckpt.state).cast("B")
-    logits = memoryview(ckpt.logits if ckpt.logits is not None else b"").cast("B")
-    if len(logits) % 4:
-        raise ValueError("logits must be float32 (a multiple of 4 bytes)")
+    own = [] if ckpt.logits is None else [ckpt.logits]
+    logits = [memoryview(row).cast("B") for row in [*own, *(row for _, row in ckpt.prompt_logits)]]
+    if any(len(row) % 4 or len(row) != len(logits[0]) for row in logits):
+        raise ValueError("logits must be rows of float32 (a multiple of 4 bytes), all of one length")
+    points = [int(at) for at, _ in ckpt.prompt_logits]
+    if not all(0 < at <= len(tokens) for at in points):
+        raise ValueError(f"prompt logits after {points} tokens, outside the {len(tokens)} tokens")
     extra = {} if ckpt.logits_at is None else {"logits_at": int(ckpt.logits_at)}
+    if points:
+        extra["prompt_logits"] = points
     if ckpt.namespace or ckpt.tenant:
         extra |= {"tenant": ckpt.tenant, "namespace": bytes(ckpt.namespace).hex()}
     meta = json.dumps(
@@ -250,9 +268,10 @@ def _plan(ckpt: Checkpoint) -> _Plan:
         },
         separators=(",", ":"),
     ).encode()
-    offsets = _offsets(len(meta), len(tokens), len(rendered), len(state), len(logits))
+    l_len = sum(len(row) for row in logits)
+    offsets = _offsets(len(meta), len(tokens), len(rendered), len(state), l_len)
     length = offsets[-1] + _TRAILER_LEN
-    flags = _FLAG_LOGITS if ckpt.logits is not None else 0
+    flags = (_FLAG_LOGITS if ckpt.logits is not None else 0) | (_FLAG_PROMPT_LOGITS if points else 0)
     header = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION if ckpt.chain is None else CHAIN_FORMAT,
@@ -262,7 +281,7 @@ def _plan(ckpt: Checkpoint) -> _Plan:
         len(tokens),
         len(rendered),
         len(state),
-        len(logits),
+        l_len,
         0,
     )
     head = header + meta + bytes(_pad(len(meta), 8))
@@ -289,12 +308,13 @@ def encode_parts(ckpt: Checkpoint) -> list[Buffer]:
     p = _plan(ckpt)
     parts: list[Buffer] = [p.head, p.tokens, p.rendered]
     end = len(p.head) + len(p.tokens) + len(p.rendered)
-    for payload in (p.state, p.logits):
+    for payload in (p.state, p.logits[0] if p.logits else b""):
         if _pad(end, 64):
             parts.append(bytes(_pad(end, 64)))
             end += _pad(end, 64)
         parts.append(payload)
         end += len(payload)
+    parts += p.logits[1:]
     h = xxhash.xxh3_128()
     for part in parts:
         h.update(part)
@@ -323,6 +343,23 @@ def rendered_span(head: Buffer) -> tuple[int, int]:
     return rendered_at, rendered_at + r_len
 
 
+def _logit_rows(section: memoryview, flags: int, meta: dict, n_tokens: int
+                ) -> tuple[memoryview | None, tuple[tuple[int, memoryview], ...]]:
+    """The logits section split into the checkpoint's own row (flag bit 0) and earlier prompts' rows (bit 1,
+    one per `prompt_logits` entry), every row of one length."""
+    points = [int(at) for at in meta["prompt_logits"]] if flags & _FLAG_PROMPT_LOGITS else []
+    if (flags & _FLAG_PROMPT_LOGITS) != ("prompt_logits" in meta and _FLAG_PROMPT_LOGITS) or (
+            flags & _FLAG_PROMPT_LOGITS and not points) or not all(0 < at <= n_tokens for at in points):
+        raise ValueError(f"prompt logits after {points} tokens do not fit the flags or the {n_tokens} tokens")
+    rows = bool(flags & _FLAG_LOGITS) + len(points)
+    size = len(section) // rows if rows else 0
+    if rows and (len(section) % rows or size % 4):
+        raise ValueError(f"{len(section)} bytes of logits do not make {rows} rows of float32")
+    cut = [section[i * size : (i + 1) * size] for i in range(rows)]
+    own = cut.pop(0) if flags & _FLAG_LOGITS else None
+    return own, tuple(zip(points, cut, strict=True))
+
+
 def decode(buf: Buffer) -> Checkpoint:
     """Verify a whole checkpoint file and decode it; state and logits are zero-copy views into `buf`.
 
@@ -339,10 +376,10 @@ def decode(buf: Buffer) -> Checkpoint:
         raise CorruptCheckpoint("bad magic")
     if version not in (FORMAT_VERSION, CHAIN_FORMAT):
         raise CorruptCheckpoint(f"unsupported format version {version}")
-    if length != len(mv) or zero != 0 or flags & ~_FLAG_LOGITS or l_len % 4:
+    if length != len(mv) or zero != 0 or flags & ~(_FLAG_LOGITS | _FLAG_PROMPT_LOGITS) or l_len % 4:
         raise CorruptCheckpoint("header fields inconsistent with the file")
     tokens_at, rendered_at, state_at, logits_at, end = _offsets(meta_len, n_tokens, r_len, s_len, l_len)
-    if end + _TRAILER_LEN != length or (l_len and not flags & _FLAG_LOGITS):
+    if end + _TRAILER_LEN != length or (l_len and not flags & (_FLAG_LOGITS | _FLAG_PROMPT_LOGITS)):
         raise CorruptCheckpoint("section lengths do not add up to the file length")
     try:
         meta = json.loads(bytes(mv[_HEADER.size : _HEADER.size + meta_len]))
@@ -352,6 +389,7 @@ def decode(buf: Buffer) -> Checkpoint:
         if not 0 <= frontier <= n_tokens:
             raise ValueError(f"frontier {frontier} outside the {n_tokens} tokens")
         chain = _chain_of(meta, version, s_len)
+        own, earlier = _logit_rows(mv[logits_at : logits_at + l_len], flags, meta, n_tokens)
         return Checkpoint(
             key=bytes.fromhex(meta["key"]),
             model=meta["model"],
@@ -363,9 +401,10 @@ def decode(buf: Buffer) -> Checkpoint:
             save_reason=meta["save_reason"],
             created=float(meta["created"]),
             state=mv[state_at : state_at + s_len],
-            logits=mv[logits_at : logits_at + l_len] if flags & _FLAG_LOGITS else None,
+            logits=own,
             prefixes=tuple((bytes.fromhex(k), int(n)) for k, n in meta["prefixes"]),
             logits_at=int(meta["logits_at"]) if "logits_at" in meta else None,
+            prompt_logits=earlier,
             frontier=frontier,
             memory=memory.value,
             chain=chain,

@@ -187,8 +187,9 @@ class Publisher:
         """Drops the older row `old_key` when the new row of full-attention blocks makes it redundant: it is in
         the same tier, its text is a prefix of the new text, and its blocks are the first of the new row's.
         Every prefix it could restore is then restorable from the new row, and its key and aliases now find
-        the new row. What it alone held (its tail of under block_tokens cells and its logits) served only a
-        resend of exactly its text: that now restores from the new row and prefills the tail again."""
+        the new row. What it alone held (its tail of under block_tokens cells) served only a resend of exactly
+        its text: that now restores from the new row, sampling at once where the new row kept that prompt's
+        logits (`Checkpoint.prompt_logits`), else prefilling its last tokens again."""
         if row.chain is None or row.chain.opaque or row.memory != MemoryKind.FULL or old_key == row.key:
             return  # a sliding window or a recurrent state is restorable at its own length only
         index = self._index

@@ -46,11 +46,13 @@ class KeyFunction(Protocol):
 
 @dataclass(frozen=True)
 class SavedState:
-    """What a save of a sequence stores: a state holding its first `frontier` tokens, and their logits."""
+    """What a save of a sequence stores: a state holding its first `frontier` tokens, and their logits; for a
+    state that can be cut, also the logits after earlier prompts within it, where a cut gives their own state."""
 
     state: StateBytes
     frontier: int
     logits: np.ndarray | None
+    earlier: tuple[tuple[int, np.ndarray], ...] = ()
 
 
 def state_shape(backend: Backend, memory: Memory) -> stateformat.StateShape | None:
@@ -271,7 +273,9 @@ class ModelCache:
             state = None
         if state is None or not self.memory.reusable(frontier, logits is not None):
             return None
-        return SavedState(state, frontier, logits)
+        earlier = tuple((p, row) for p, row in sorted(seq.prompt_logits.items())
+                        if p < frontier and self.memory.cuts_states and self.memory.extendable(p) == p)
+        return SavedState(state, frontier, logits, earlier)
 
     def _cut(self, state: bytearray, frontier: int) -> StateBytes:
         """The state cut at the frontier; whole (a restore cuts it then) when the layout is not understood."""
@@ -344,6 +348,7 @@ class ModelCache:
             state=payload.state,
             logits=None if logits is None else logits.tobytes(),
             logits_at=None if logits is None else payload.frontier,
+            prompt_logits=tuple((p, row.tobytes()) for p, row in payload.earlier),
             frontier=payload.frontier,
             memory=str(self.memory.kind),
             layout=self.block_shape,

@@ -12,6 +12,10 @@ import numpy as np
 from barreld.cache.key import DEFAULT_NAMESPACE, Namespace
 from barreld.engine.request import Request
 
+# Prompt ends whose logits a sequence keeps (and its saves store), the latest ones: a chat or agent session
+# replayed after a restart resends its earlier prompts, each an exact hit in the conversation's latest row.
+PROMPT_LOGITS_KEPT = 8
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -42,14 +46,14 @@ class Sequence:
     frontier_logits: np.ndarray | None = None  # logits after the frontier's last token, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
     snapshot: Snapshot | None = None
-    # The logits after the prompt (its first `pos` tokens), kept when settling moves the frontier off its end:
-    # the same prompt sent again samples from them once the sequence is cut back to it.
-    kept_logits: tuple[int, np.ndarray] | None = None
+    # The logits after each of its latest prompts (by their token counts), kept when settling or the next prompt
+    # moves the frontier off their ends: the same prompt sent again samples from them once cut back to it.
+    prompt_logits: dict[int, np.ndarray] = field(default_factory=dict)
     namespace: Namespace = DEFAULT_NAMESPACE  # whose text it holds: only that namespace's prompts reuse it
 
     def logits_at(self, n: int) -> int | None:
         """Where the logits that follow the first n tokens, or the frontier's, are known; None if nowhere."""
-        if self.kept_logits is not None and self.kept_logits[0] == n <= self.frontier:
+        if n in self.prompt_logits and n <= self.frontier:
             return n
         return self.frontier if self.frontier_logits is not None else None
 
@@ -69,7 +73,13 @@ class Sequence:
 
     def _keep_prompt_logits(self) -> None:
         if self.frontier_logits is not None and self.frontier == self.prompt_len:
-            self.kept_logits = (self.frontier, self.frontier_logits)
+            self.keep_logits({self.frontier: self.frontier_logits})
+
+    def keep_logits(self, rows: dict[int, np.ndarray]) -> None:
+        """Takes the logits after earlier prompts of its text (a restored row's), the latest ones kept."""
+        self.prompt_logits.update(rows)
+        for n in sorted(self.prompt_logits)[:-PROMPT_LOGITS_KEPT]:
+            del self.prompt_logits[n]
 
     def extend_prefilled(self, tokens: list[int], pieces: list[bytes]) -> None:
         """Adds prefilled tokens in one step (a restore): what `append` does for each, without its per-token
@@ -106,10 +116,10 @@ class Sequence:
         if n < self.frontier:
             self.frontier = n
             self.frontier_logits = None
-        if self.kept_logits is not None and self.kept_logits[0] > n:
-            self.kept_logits = None
-        if self.kept_logits is not None and self.kept_logits[0] == n == self.frontier:
-            self.frontier_logits = self.kept_logits[1]
+        for p in [p for p in self.prompt_logits if p > n]:
+            del self.prompt_logits[p]
+        if n == self.frontier and n in self.prompt_logits:
+            self.frontier_logits = self.prompt_logits[n]
         self.prompt_len = min(self.prompt_len, n)
         if self.snapshot is not None and self.snapshot.length > n:
             self.snapshot = None

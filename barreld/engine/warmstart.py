@@ -305,8 +305,10 @@ class WarmStarts:
             kept = ckpt.tokens[:k]
             seq.extend_prefilled(kept, [self.backend.piece(t) for t in kept])
             seq.origin = plan.hit.row_key
-            if ckpt.logits is not None and ckpt.logits_tokens == k:
-                seq.frontier_logits = np.frombuffer(ckpt.logits, dtype=np.float32).copy()
+            points = [*([ckpt.logits_tokens] if ckpt.logits is not None else []), *(p for p, _ in ckpt.prompt_logits)]
+            seq.keep_logits({p: np.frombuffer(ckpt.logits_after(p), dtype=np.float32).copy()
+                             for p in points if p <= k and (p == k or self.memory.extendable(p) == p)})
+            seq.frontier_logits = seq.prompt_logits.get(k)
             return k
 
     @contextlib.contextmanager
@@ -326,9 +328,9 @@ class WarmStarts:
         """Tokens of a read checkpoint the prompt can reuse: its tokens must be the prompt's own. Found under a
         prefix of the prompt (a block boundary), a row may share more of it than that prefix: every token the
         two have in common counts, up to the row's frontier."""
-        matched = common_prefix_len(ckpt.tokens, tokens)
-        logits_at = ckpt.logits_tokens if ckpt.logits is not None else None
-        return self.memory.restore_point(ckpt.frontier_tokens, matched, len(tokens), logits_at)
+        matched, n = common_prefix_len(ckpt.tokens, tokens), len(tokens)
+        logits_at = n if ckpt.logits_after(n) is not None else ckpt.logits_tokens if ckpt.logits is not None else None
+        return self.memory.restore_point(ckpt.frontier_tokens, matched, n, logits_at)
 
     def _refuse(self, route: Route, could: int, held: tuple[int, int] | None = None) -> None:
         """Counts `reuse_refused`: a candidate the memory's rules skipped where full attention would have

@@ -204,3 +204,41 @@ def test_logits_may_belong_to_a_prefix() -> None:
     assert back.logits_at == 2 and back.logits_tokens == 2
     plain = decode(encode(small_ckpt()))
     assert plain.logits_at is None and plain.logits_tokens == len(plain.tokens)
+
+
+@given(checkpoints, st.data())
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+def test_earlier_prompts_logits_round_trip_beside_the_checkpoints_own(ckpt: Checkpoint, data: st.DataObject) -> None:
+    """A conversation's row keeps the logits after its earlier prompts: each found by its token count, the
+    checkpoint's own row still its own, and a flipped bit anywhere still refused."""
+    from dataclasses import replace
+
+    size = len(ckpt.logits) if ckpt.logits is not None else data.draw(st.integers(1, 16), label="floats") * 4
+    points = data.draw(st.lists(st.integers(1, max(1, len(ckpt.tokens))), max_size=3, unique=True), label="at")
+    if not ckpt.tokens or not size:
+        points = []
+    rows = [(at, bytes([at % 251]) * size) for at in sorted(points)]
+    ckpt = replace(ckpt, prompt_logits=tuple(rows))
+    raw = encode(ckpt)
+    out = decode(raw)
+    assert [(at, bytes(row)) for at, row in out.prompt_logits] == rows
+    assert (None if out.logits is None else bytes(out.logits)) == ckpt.logits
+    for at, row in rows:
+        expected = ckpt.logits if ckpt.logits is not None and ckpt.logits_tokens == at else row
+        assert bytes(out.logits_after(at)) == expected
+    bit = data.draw(st.integers(0, len(raw) * 8 - 1), label="bit")
+    raw[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptCheckpoint):
+        decode(raw)
+
+
+def test_earlier_prompts_logits_are_refused_unless_rows_of_one_length_within_the_tokens() -> None:
+    from dataclasses import replace
+
+    ckpt = small_ckpt()
+    with pytest.raises(ValueError, match="one length"):
+        encoded_size(replace(ckpt, prompt_logits=((1, b"\0" * 8),)))
+    with pytest.raises(ValueError, match="outside"):
+        encoded_size(replace(ckpt, prompt_logits=((3, b"\0" * 4),)))
+    back = decode(encode(replace(ckpt, logits=None, prompt_logits=((1, b"\1" * 4),))))
+    assert back.logits is None and bytes(back.logits_after(1)) == b"\1" * 4 and back.logits_after(2) is None

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from barreld.engine.backend import ContextSettings
 from barreld.engine.exactness import ReuseProbe, measure
 from barreld.engine.registry import model_memory
-from barreld.engine.sequence import Sequence
+from barreld.engine.sequence import PROMPT_LOGITS_KEPT, Sequence
 from barreld.names import MemoryKind
 from tests.fakes.backend import FakeBackend, write_gguf
 
@@ -162,6 +163,17 @@ def test_a_bulk_extend_equals_appending_one_by_one() -> None:
         one.tokens, one.offsets, bytes(one.rendered), one.frontier)
 
 
+def test_a_sequence_keeps_the_logits_of_its_latest_prompts_while_its_tokens_still_hold_them() -> None:
+    seq = Sequence(0)
+    seq.extend_prefilled(list(range(40)), [b"x"] * 40)
+    rows = {n: np.full(4, n, dtype=np.float32) for n in range(1, PROMPT_LOGITS_KEPT + 3)}
+    seq.keep_logits(rows)
+    assert sorted(seq.prompt_logits) == list(range(3, PROMPT_LOGITS_KEPT + 3))  # the latest ones
+    assert seq.logits_at(5) == 5 and seq.logits_at(2) is None
+    seq.truncate(6)
+    assert sorted(seq.prompt_logits) == [3, 4, 5, 6] and seq.frontier_logits[0] == 6  # cut back to a prompt end
+
+
 def test_a_recurrent_state_stored_off_the_chunks_is_found_by_a_longer_prompt(tmp_path: Path, store: WatchedStore
                                                                             ) -> None:
     """At grain 1 a recurrent model keeps its prompt's state at the prompt's end (37 tokens, between the
@@ -240,3 +252,38 @@ def test_a_prompt_whose_short_last_chunk_settled_again_is_not_restored_whole_fro
     assert (again.route, again.started.cache.restored_tokens) == ("exact", 4 * CHUNK + 1)
     assert again.text == e.cold(prompt).text
     e.close()
+
+
+@pytest.mark.parametrize("min_batch", [0, 8])
+def test_a_conversation_replayed_after_a_restart_samples_its_prompts_from_a_later_turns_row(
+    tmp_path: Path, min_batch: int
+) -> None:
+    """A turn's row supersedes the one before (blocks), so after a restart most earlier prompts are exact hits
+    in a later turn's row. With the logits the conversation kept after each prompt (the latest
+    PROMPT_LOGITS_KEPT, where the next turn's tokens still hold it), each samples at once, where it prefilled its
+    last min_batch tokens or so before. A prompt whose last chunk took other kernels (one token, by default)
+    keeps no logits in a row: a cut there is not its state, so that token is prefilled again. Every reply cold."""
+    store = WatchedStore(tmp_path, block_tokens=16).open()
+    model = write_gguf(tmp_path / "fake.gguf", min_batch=min_batch)
+    e = Engine(tmp_path, store, model_file=model, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    e.load(policy={"prefill_chunk_size": "16", "cold_min_tokens": "4096"}, n_ctx=1024)  # finish rows only
+    prompts, prompt = [], plain(37, 20)
+    for turn, extra in enumerate((11, 16, 13, 20, 12, 9, 15, 17, 10)):
+        prompts.append(prompt)
+        reply = e.run(prompt)
+        prompt = prompt + reply.text + plain(extra, 21 + turn)[1:]
+    kept = {n for seq in e.registry.get("m").worker.seqs for n in seq.prompt_logits}
+    assert len(kept) == PROMPT_LOGITS_KEPT and len(e.rows()) < len(prompts) // 2
+    replay, whole = e.restarted(), 0
+    for turn, prompt in enumerate(prompts):
+        reply = replay.run(prompt)
+        n, cache = reply.started.prompt_tokens, reply.started.cache
+        assert reply.text == e.cold(prompt).text, turn
+        if n % 16 == 1 and not min_batch:  # a one-token last chunk
+            assert cache.prefilled_tokens == 1, turn
+        elif n in kept:
+            assert (cache.route, cache.prefilled_tokens) == ("exact", 0), turn
+            whole += 1
+    assert whole >= PROMPT_LOGITS_KEPT - 2
+    e.close()
+    store.close()

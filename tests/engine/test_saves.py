@@ -150,6 +150,8 @@ def test_each_turn_of_a_conversation_supersedes_the_rows_of_the_turn_before(bloc
     other = first + one.text + plain(30, 18)[1:]  # another second turn, resumed by the first turn's key
     branch = engine.restarted().run(other, parent_key=one.done.key)
     assert branch.started.cache.route == "resume" and branch.text == engine.cold(other).text
-    again = engine.restarted().run(first)  # the first turn's row is gone: its prompt finds the second's
-    assert again.started.cache.route == "exact" and again.started.cache.restored_tokens == 32
+    # the first turn's row is gone: its prompt finds the second's, which keeps the first prompt's logits
+    again = engine.restarted().run(first)
+    assert again.started.cache.route == "exact" and again.started.cache.restored_tokens == 40
+    assert again.started.cache.prefilled_tokens == 0
     assert again.text == engine.cold(first).text

@@ -324,8 +324,10 @@ class RemoteTier:
         if chain is None:
             return ckpt, ()
         if hit.blocks_needed < len(chain.keys) and not chain.opaque and ckpt.memory == MemoryKind.FULL.value:
+            frontier = hit.blocks_needed * chain.block_tokens
             ckpt = replace(ckpt, state=b"", chain=replace(chain, keys=chain.keys[: hit.blocks_needed], tail=0),
-                           logits=None, logits_at=None, frontier=hit.blocks_needed * chain.block_tokens)
+                           logits=None, logits_at=None, frontier=frontier,
+                           prompt_logits=tuple(row for row in ckpt.prompt_logits if row[0] <= frontier))
             chain = ckpt.chain
         rest = [key for key in chain.keys if key not in got and (local is None or not local.has(key))]
         for key, (view, _) in zip(rest, self.store.fetch_refs([Ref(BLOCK_KIND, key) for key in rest]), strict=True):
