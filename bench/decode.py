@@ -15,8 +15,8 @@ is the reply's tokens over the time from its first token to its last. Four strea
 time from the first request to the last token. Before each measurement every barreld is let go quiet (it settles its
 replies while idle, which would slow whichever server came next). Then each barreld's CPU time over 3 s of idling.
 Then the floor, what the decode alone gives without any server (bench.decode_floor, a child process: barreld's
-backend in a loop, greedy by argmax), with flash attention off as barreld runs SmolLM2 by default (it has no
-sliding window), and on as llama-server resolves its `auto` here. A barreld row over its floor row is the part of
+backend in a loop, greedy by argmax), with flash attention on, as barreld runs SmolLM2 by default (full attention)
+and llama-server resolves its `auto` here, and off. A barreld row over its floor row is the part of
 a token that Python around the decode costs (the worker, sampling, the HTTP framing). Medians over the rounds;
 ratios are over llama-server's.
 """
@@ -41,8 +41,9 @@ from bench.report import Table, bench_parser, ratio, show_and_put
 SECTION = "decode"
 PASSIVE, DEFAULT = "barreld, OMP_WAIT_POLICY=passive", "barreld (default: spin 0.1 ms, then sleep)"
 LLAMA = "llama-server"
-FLOORS = {"llama.cpp alone, barreld's backend in a loop (flash attention off: barreld's default here)": [],
-          "llama.cpp alone, the same with flash attention on (as llama-server resolves auto)": ["--flash-attn"]}
+FLOORS = {"llama.cpp alone, barreld's backend in a loop (flash attention on: barreld's default here, as "
+          "llama-server resolves auto)": ["--flash-attn"],
+          "llama.cpp alone, the same with flash attention off": []}
 
 
 @dataclass

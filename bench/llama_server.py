@@ -23,10 +23,10 @@ is client-side wall time to the first chunk that carries text. Barrel: barreld's
 policy, disk tier, one sequence). llama-server: run plain (`-m MODEL -c 4096 -b 512 -np 1 -t N -tb N`, all
 else its defaults, `cache_prompt` on, as by default); those defaults include its prompt cache in RAM
 (`--cache-ram`, 8 GiB), which gives a slot an earlier prompt back, and flash attention `auto`, which the CPU
-build turns on (Barrel's default is off). Same model file (the bundled SmolLM2), n_ctx 4096,
-n_batch 512, every core. The chat is section 2's (a 700-token system message, user messages of 50 to 119
-tokens, 48-token greedy replies), resent in full each turn as messages to `/v1/chat/completions`; each side
-renders them with the model's chat template. The agent trace is section 3's (agents sharing a 900-token
+build turns on (as Barrel's default does for this full-attention model). Same model file (the bundled
+SmolLM2), n_ctx 4096, n_batch 512, every core. The chat is section 2's (a 700-token system message, user
+messages of 50 to 119 tokens, 48-token greedy replies), resent in full each turn as messages to
+`/v1/chat/completions`; each side renders them with the model's chat template. The agent trace is section 3's (agents sharing a 900-token
 system prompt take turns; their histories grow, get a note inserted in the middle, and drop old exchanges),
 sent as raw ChatML prompts to `/v1/completions`, 24-token greedy replies. The replies that build the
 histories are Barrel's (both are greedy), so both sides get identical requests. Then both are stopped

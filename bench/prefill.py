@@ -13,8 +13,8 @@ each round; llama-server also gets `cache_prompt: false`), `--rounds` times: eve
 asked in an order that rotates. Prefill tokens/s is the prompt's tokens over the server's own prefill time:
 barreld's timings_ms.prefill, llama-server's timings.prompt_ms. Models: Gemma 3 270M (sliding-window attention,
 a 32k context) and SmolLM2 (full attention, 8k). barreld variants: its defaults (swa_full off, the window layers
-a ring put back in order after every prefill call; flash attention off, as for every model without
-swa_full; prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a llama.cpp call
+a ring put back in order after every prefill call; flash attention on for full attention, off for a window
+in a ring; prefill chunks of 128 = n_batch / 4, a prefill alone taking as many chunks a llama.cpp call
 as n_batch holds where the load-time probe proves that exact), then one knob set at a time: swa_full on,
 flash attention on, off, one chunk a call (`reuse_grain = 128`: no probe, so nothing proven).
 llama-server: `-c N -b 512` and its defaults (flash attention `auto`, which is on here), every core. Beside them
@@ -179,7 +179,8 @@ def measure(tokens: int, rounds: int) -> Table:
         t.add(model.name, FLOOR, f"{n:,}", f"{median(rates[FLOOR]):.0f}", ratio(median(rates[FLOOR]), ls))
     t.note = (f"Medians of {rounds} rounds, the servers' order rotating; each request cold (another first line "
               "each round), one token generated; prefill time as each server reports it. barreld's defaults are "
-              "swa_full off and flash attention off (on only with swa_full, as the 'swa_full on' row runs), "
+              "swa_full off and flash attention on for SmolLM2 (full attention), off for Gemma's ring (on with "
+              "swa_full, as the 'swa_full on' row runs), "
               "chunks of n_batch / 4 = 128 and, for a prefill alone, as many chunks a call as n_batch (512) holds "
               "where the probe proves it exact; each other row sets one of them. llama-server's flash attention "
               "`auto` is on here.")

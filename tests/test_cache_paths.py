@@ -57,12 +57,13 @@ class Model:
 
 
 MODELS = {
-    "smollm2": Model(lambda: bundled_model_path("smollm2"), "", 640, "full"),
+    "smollm2": Model(lambda: bundled_model_path("smollm2"), "flash_attn = false\n", 640, "full"),
     # flash attention and a q8_0 cache: other kernels, another grain (the floats follow the split more)
     "smollm2_fa": Model(lambda: bundled_model_path("smollm2"), 'flash_attn = true\ntype_k = "q8_0"\n'
                         'type_v = "q8_0"\n', 600, "full"),
-    # flash attention on an f16 cache: its tiled path from 64 rows (a fewest batch of 64; calls of 64 at least)
-    "smollm2_tiled": Model(lambda: bundled_model_path("smollm2"), "flash_attn = true\n", 660, "full"),
+    # the defaults, flash attention on an f16 cache: its tiled path from 64 rows (a fewest batch of 64; calls of
+    # 64 at least)
+    "smollm2_tiled": Model(lambda: bundled_model_path("smollm2"), "", 660, "full"),
     "gemma": Model(gemma_path, "swa_full = true\n", 620, "swa"),
     "gemma_ring": Model(gemma_path, "swa_full = false\n", 1300, "swa"),  # past 1,024 tokens: the ring wraps
     "mamba": Model(tiny_recurrent_path, "", 2600, "recurrent"),

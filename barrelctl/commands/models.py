@@ -21,8 +21,8 @@ FlashAttn = Annotated[
     bool | None,
     typer.Option(
         "--flash-attn/--no-flash-attn",
-        help="Flash attention (default: on for a sliding-window model with --swa-full). Needed for a quantised V "
-        "cache.",
+        help="Flash attention (default: on, but for a sliding-window model without --swa-full and for recurrent "
+        "and hybrid models). Needed for a quantised V cache.",
     ),
 ]
 TypeK = Annotated[str | None, typer.Option("--type-k", help=f"K cache type: {', '.join(KV_CACHE_TYPES)}.")]

@@ -231,6 +231,18 @@ def _check(ckpt: Checkpoint, n_tokens: int) -> None:
         raise ValueError(f"memory {ckpt.memory!r} and frontier {ckpt.frontier} do not describe the state")
 
 
+def _logits_of(ckpt: Checkpoint, n_tokens: int) -> tuple[list[memoryview], list[int]]:
+    """The logits rows to write, the checkpoint's own first, and the token counts of its earlier prompts'."""
+    own = [] if ckpt.logits is None else [ckpt.logits]
+    rows = [memoryview(row).cast("B") for row in [*own, *(row for _, row in ckpt.prompt_logits)]]
+    if any(len(row) % 4 or len(row) != len(rows[0]) for row in rows):
+        raise ValueError("logits must be rows of float32 (a multiple of 4 bytes), all of one length")
+    points = [int(at) for at, _ in ckpt.prompt_logits]
+    if not all(0 < at <= n_tokens for at in points):
+        raise ValueError(f"prompt logits after {points} tokens, outside the {n_tokens} tokens")
+    return rows, points
+
+
 def _plan(ckpt: Checkpoint) -> _Plan:
     """Validate a checkpoint and lay it out; cheap (no payload bytes are touched)."""
     tokens = ckpt.tokens if isinstance(ckpt.tokens, array) and ckpt.tokens.typecode == "i" else None
@@ -239,13 +251,7 @@ def _plan(ckpt: Checkpoint) -> _Plan:
     _check(ckpt, len(tokens))
     rendered = memoryview(ckpt.rendered).cast("B")
     state = memoryview(ckpt.state).cast("B")
-    own = [] if ckpt.logits is None else [ckpt.logits]
-    logits = [memoryview(row).cast("B") for row in [*own, *(row for _, row in ckpt.prompt_logits)]]
-    if any(len(row) % 4 or len(row) != len(logits[0]) for row in logits):
-        raise ValueError("logits must be rows of float32 (a multiple of 4 bytes), all of one length")
-    points = [int(at) for at, _ in ckpt.prompt_logits]
-    if not all(0 < at <= len(tokens) for at in points):
-        raise ValueError(f"prompt logits after {points} tokens, outside the {len(tokens)} tokens")
+    logits, points = _logits_of(ckpt, len(tokens))
     extra = {} if ckpt.logits_at is None else {"logits_at": int(ckpt.logits_at)}
     if points:
         extra["prompt_logits"] = points
@@ -360,13 +366,9 @@ def _logit_rows(section: memoryview, flags: int, meta: dict, n_tokens: int
     return own, tuple(zip(points, cut, strict=True))
 
 
-def decode(buf: Buffer) -> Checkpoint:
-    """Verify a whole checkpoint file and decode it; state and logits are zero-copy views into `buf`.
-
-    The checksum and every length field are checked before anything is interpreted, so a file that
-    fails in any byte raises CorruptCheckpoint and no part of it is ever used.
-    """
-    mv = memoryview(buf).cast("B")
+def _verified_header(mv: memoryview) -> tuple[int, int, int, int, int, int, int]:
+    """A whole file's checksum and header checked: (version, flags, metadata, token, rendered, state and
+    logits lengths)."""
     if len(mv) < MIN_FILE_LEN:
         raise CorruptCheckpoint(f"file too short ({len(mv)} bytes)")
     if xxhash.xxh3_128(mv[:-_TRAILER_LEN]).digest() != mv[-_TRAILER_LEN:]:
@@ -378,8 +380,19 @@ def decode(buf: Buffer) -> Checkpoint:
         raise CorruptCheckpoint(f"unsupported format version {version}")
     if length != len(mv) or zero != 0 or flags & ~(_FLAG_LOGITS | _FLAG_PROMPT_LOGITS) or l_len % 4:
         raise CorruptCheckpoint("header fields inconsistent with the file")
+    return version, flags, meta_len, n_tokens, r_len, s_len, l_len
+
+
+def decode(buf: Buffer) -> Checkpoint:
+    """Verify a whole checkpoint file and decode it; state and logits are zero-copy views into `buf`.
+
+    The checksum and every length field are checked before anything is interpreted, so a file that
+    fails in any byte raises CorruptCheckpoint and no part of it is ever used.
+    """
+    mv = memoryview(buf).cast("B")
+    version, flags, meta_len, n_tokens, r_len, s_len, l_len = _verified_header(mv)
     tokens_at, rendered_at, state_at, logits_at, end = _offsets(meta_len, n_tokens, r_len, s_len, l_len)
-    if end + _TRAILER_LEN != length or (l_len and not flags & (_FLAG_LOGITS | _FLAG_PROMPT_LOGITS)):
+    if end + _TRAILER_LEN != len(mv) or (l_len and not flags & (_FLAG_LOGITS | _FLAG_PROMPT_LOGITS)):
         raise CorruptCheckpoint("section lengths do not add up to the file length")
     try:
         meta = json.loads(bytes(mv[_HEADER.size : _HEADER.size + meta_len]))

@@ -37,24 +37,24 @@ class ContextSettings:
     n_gpu_layers: int = -1  # layers to offload: -1 all that the build can, 0 none
     type_k: int = 1  # GGML_TYPE_F16
     type_v: int = 1
-    flash_attn: bool | None = False  # None: on for a sliding-window model with swa_full (`resolve_flash_attn`)
+    flash_attn: bool | None = False  # None: as `resolve_flash_attn` chooses for the model's memory
     swa_full: bool = False  # keep every SWA cell in the live context, not just the last window
     n_ubatch: int = 0  # rows llama.cpp computes at once; 0: n_batch (bench.ubatch measures smaller ones)
 
 
-def resolve_flash_attn(asked: bool | None, sliding_window: int, swa_full: bool) -> bool:
-    """Flash attention as asked, or where nothing was asked, on only for a sliding-window model whose window
-    layers keep full-length caches (swa_full). Measured here: there it prefilled Gemma 3's 12,000-token agent
-    head 1.5x faster; with the window layers in a ring (swa_full off, the default) Gemma prefilled faster
-    without it, the more so the longer the prompt (3,000 tokens 1.03x, 12,000 1.11x, 24,000 1.18x), its warm
-    starts exact at the same points (the load-time probe's verdict is the same both ways). SmolLM2 prefilled
-    8,000 tokens 1.2x faster with it, but its CPU kernel's other path under 64 rows makes every warm start
-    prefill 64 tokens at least (barreld.engine.exactness). With calls of 64 tokens at least (the probe's spans)
-    bench.llama_server's live chat took 0.90x llama-server's median time to first token, its agent trace 0.83x,
-    but an exact hit after a restart prefills 64 tokens, not 2: a stored row keeps the logits of its own end
-    only, and a conversation's earlier prompts are aliases of its latest row (a chat's first turn after a
-    restart 0.13x llama-server's, against 0.03x to 0.05x without; one turn in seven slower than llama-server)."""
-    return sliding_window > 0 and swa_full if asked is None else asked
+def resolve_flash_attn(asked: bool | None, memory: MemoryKind, swa_full: bool) -> bool:
+    """Flash attention as asked, or where nothing was asked, on for full attention and for a sliding-window
+    model whose window layers keep full-length caches (swa_full); off for a window in a ring (swa_full off) and
+    for recurrent and hybrid models (not measured). Measured here, one run each against llama-server (whose
+    `auto` turns it on): SmolLM2 prefilled 8,000 tokens 1.2x faster with it; its CPU kernel's other path under
+    64 rows is met by calls of 64 tokens at least (the probe's spans) and the logits a row keeps after each of
+    its conversation's prompts, so its warm starts reuse as much as without it. Gemma 3 prefilled its
+    12,000-token agent head 1.5x faster with it under swa_full; in a ring Gemma prefilled faster without it,
+    the more so the longer the prompt (3,000 tokens 1.03x, 12,000 1.11x, 24,000 1.18x), its warm starts exact
+    at the same points both ways."""
+    if asked is not None:
+        return asked
+    return memory is MemoryKind.FULL or (memory is MemoryKind.SWA and swa_full)
 
 
 class Backend(Protocol):

@@ -92,8 +92,9 @@ class LlamaBackend:
         if settings.n_ctx > n_ctx_train:
             L.llama_model_free(self._model)
             raise ModelLoadError(f"n_ctx {settings.n_ctx} exceeds the model's training context {n_ctx_train}")
-        self.flash_attn = resolve_flash_attn(settings.flash_attn, max(0, L.llama_model_n_swa(self._model)),
-                                             settings.swa_full)
+        kind = memory_kind(max(0, L.llama_model_n_swa(self._model)), L.llama_model_is_recurrent(self._model),
+                           L.llama_model_is_hybrid(self._model))
+        self.flash_attn = resolve_flash_attn(settings.flash_attn, kind, settings.swa_full)
         settings = self.settings = dataclasses.replace(settings, flash_attn=self.flash_attn)
         cparams = self._context_params(settings)
         self._ctx = L.llama_init_from_model(self._model, cparams)

@@ -90,7 +90,7 @@ class LoadOptions:
     fingerprint: Fingerprint = Fingerprint()
     n_threads: int | None = None  # None: the usable cores
     n_gpu_layers: int = -1  # -1: every layer the build can offload
-    flash_attn: bool | None = None  # None: on for a sliding-window model with swa_full (backend.resolve_flash_attn)
+    flash_attn: bool | None = None  # None: as backend.resolve_flash_attn chooses for the model's memory
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool | None = None  # None: off, as llama-server: the window layers keep a ring (engine.memory)

@@ -137,21 +137,23 @@ KNOBS = [  # (option, value, whether it changes the bytes of a state, so the key
     ("n_gpu_layers", 12, False),
     ("type_k", "q8_0", True),
     ("type_v", "f32", True),
-    ("flash_attn", True, True),  # unset: off for a model without a sliding window
+    ("flash_attn", False, True),  # unset: on for a model without a sliding window
     ("policy", {"prefill_chunk_size": "16"}, True),  # where prefills split changes floats on some models
     ("policy", {"min_tokens": "64"}, False),
     ("swa_full", False, False),  # a model without a sliding window
 ]
 
 
-def test_flash_attention_unset_is_on_for_a_sliding_window_model_with_swa_full_and_wherever_a_quantised_v_needs_it(
+def test_flash_attention_unset_is_on_for_full_attention_and_swa_full_and_wherever_a_quantised_v_needs_it(
     registry: ModelRegistry, tmp_path: Path
 ) -> None:
     full, swa = write_gguf(tmp_path / "full.gguf"), write_gguf(tmp_path / "swa.gguf", memory=MemoryKind.SWA, window=16)
-    assert not registry.load("full", opts(full)).worker.backend.flash_attn
+    recurrent = write_gguf(tmp_path / "recurrent.gguf", memory=MemoryKind.RECURRENT)
+    assert registry.load("full", opts(full)).worker.backend.flash_attn
+    assert not registry.load("recurrent", opts(recurrent)).worker.backend.flash_attn
     assert not registry.load("ring", opts(swa)).worker.backend.flash_attn
     assert registry.load("swa", opts(swa, swa_full=True)).worker.backend.flash_attn
-    assert registry.load("q", opts(full, type_v="q8_0")).worker.backend.flash_attn
+    assert registry.load("q", opts(swa, type_v="q8_0")).worker.backend.flash_attn
     assert not registry.load("off", opts(swa, flash_attn=False)).worker.backend.flash_attn
 
 

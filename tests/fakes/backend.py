@@ -137,7 +137,7 @@ class FakeBackend:
         self.swa_window = int(meta.get("fake.window", "0"))
         self.swa_full = settings.swa_full and self.swa_window > 0
         self.split_sensitive = meta.get("fake.split") == "1"
-        self.flash_attn = resolve_flash_attn(settings.flash_attn, self.swa_window, settings.swa_full)
+        self.flash_attn = resolve_flash_attn(settings.flash_attn, self.memory, settings.swa_full)
         self.min_batch = max(int(meta.get("fake.min_batch", "2")), 64 if self.flash_attn else 2)
         slots = settings.n_ctx if self.swa_full else min(settings.n_ctx, self.swa_window + settings.n_batch)
         root = hashlib.sha256(data).digest()[:16]
