@@ -18,27 +18,25 @@ the native build dies at its first decode, and tests/portable-llama installs lla
 barreld's portable flags for this CPU, `decodecheck.cmake_args`): then llama-server is built with those same
 flags, into build-portable/. It took about 15 minutes on two cores.
 
-Method. Both servers get the same requests, Barrel first, one at a time, streamed over HTTP on loopback; TTFT
-is client-side wall time to the first chunk that carries text. Barrel: barreld's HTTP listener (default
-policy, disk tier, one sequence). llama-server: run plain (`-m MODEL -c 4096 -b 512 -np 1 -t N -tb N`, all
-else its defaults, `cache_prompt` on, as by default); those defaults include its prompt cache in RAM
-(`--cache-ram`, 8 GiB), which gives a slot an earlier prompt back, and flash attention `auto`, which the CPU
-build turns on (as Barrel's default does for this full-attention model). Same model file (the bundled
-SmolLM2), n_ctx 4096, n_batch 512, every core. The chat is section 2's (a 700-token system message, user
-messages of 50 to 119 tokens, 48-token greedy replies), resent in full each turn as messages to
-`/v1/chat/completions`; each side renders them with the model's chat template. The agent trace is section 3's (agents sharing a 900-token
-system prompt take turns; their histories grow, get a note inserted in the middle, and drop old exchanges),
-sent as raw ChatML prompts to `/v1/completions`, 24-token greedy replies. The replies that build the
-histories are Barrel's (both are greedy), so both sides get identical requests. Then both are stopped
-(barreld with SIGTERM, so its shutdown saves run), started again (barreld on the same data dir), and the
-same requests are sent again. llama-server keeps its prompt cache in memory only (its `--slot-save-path` is
-not automatic), so it starts the second pass empty. Tokens restored are each side's own report:
-`usage.prompt_tokens_details.cached_tokens` for both, llama-server's `timings.cache_n` beside it (the same
-figure); tokens prefilled are Barrel's `barrel.cache.prefilled_tokens` and llama-server's `timings.prompt_n`.
-After each reply the client pauses 1 s, as a reader would: Barrel settles its reply in that time (prefills it
-again as a prompt, with the template's opening of the next user message, so that the next turn reuses both),
-and the pause keeps that work out of the other side's request on these shared cores.
-"""
+Method. Both servers get the same requests, Barrel first, one at a time, streamed over HTTP on loopback; TTFT is
+client-side wall time to the first chunk that carries text. Barrel: barreld's HTTP listener (default policy, disk
+tier, one sequence). llama-server: run plain (`-m MODEL -c 4096 -b 512 -np 1 -t N -tb N`, all else its defaults,
+`cache_prompt` on, as by default); those defaults include its prompt cache in RAM (`--cache-ram`, 8 GiB), which
+gives a slot an earlier prompt back, and flash attention `auto`, which the CPU build turns on (as Barrel's default
+does for this full-attention model). Same model file (the bundled SmolLM2), n_ctx 4096, n_batch 512, every core.
+The chat is section 2's (a 700-token system message, user messages of 50 to 119 tokens, 48-token greedy replies),
+resent in full each turn as messages to `/v1/chat/completions`; each side renders them with the model's chat
+template. The agent trace is section 3's (agents sharing a 900-token system prompt take turns; their histories
+grow, get a note inserted in the middle, and drop old exchanges), sent as raw ChatML prompts to `/v1/completions`,
+24-token greedy replies. The replies that build the histories are Barrel's (both are greedy), so both sides get
+identical requests. Then both are stopped (barreld with SIGTERM, so its shutdown saves run), started again (barreld
+on the same data dir), and the same requests are sent again. llama-server keeps its prompt cache in memory only
+(its `--slot-save-path` is not automatic), so it starts the second pass empty. Tokens restored are each side's own
+report: `usage.prompt_tokens_details.cached_tokens` for both, llama-server's `timings.cache_n` beside it (the same
+figure); tokens prefilled are Barrel's `barrel.cache.prefilled_tokens` and llama-server's `timings.prompt_n`. After
+each reply the client pauses 1 s, as a reader would: Barrel settles its reply in that time (prefills it again as a
+prompt, with the template's opening of the next user message, so that the next turn reuses both), and the pause
+keeps that work out of the other side's request on these shared cores. """
 
 from __future__ import annotations
 
