@@ -137,7 +137,7 @@ def floor_rate(model: Model, work: Path, prompt: str) -> float:
     """bench.prefill_floor's tokens/s for this prompt on barreld's default settings, in a child process."""
     text = work / "prompt.txt"
     text.write_text(prompt)
-    flags = ["--no-flash-attn"]  # barreld's default: on only with swa_full
+    flags = ["--no-flash-attn"] if model.sliding else []  # barreld's default: off for a window in a ring
     out = subprocess.run([sys.executable, "-m", "bench.prefill_floor", str(model.path), str(text), str(model.n_ctx),
                           *flags], capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(out.stdout)["rate"]

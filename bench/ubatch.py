@@ -7,12 +7,13 @@ Writes (or replaces) the section "ubatch" of the results file. Progress goes to 
 Why. With flash attention, llama.cpp's CPU kernel takes its tiled path for a call of 64 query rows or more, and
 those rows get other floats than the same rows computed under 64 at a time; so barreld's reuse probe
 (barreld.engine.exactness) makes every warm batch hold 64 tokens at least (B 64), which costs a short chat's warm
-turns more than flash attention's faster decode gains, and SmolLM2 runs with it off. A micro-batch (n_ubatch)
+turns more than flash attention's faster decode gains (since then, calls of 64 tokens at least and the logits a
+row keeps after each prompt have made it barreld's default for SmolLM2). A micro-batch (n_ubatch)
 under 64 rows would put every call on the other path, so that any batch of two or more tokens is exact again.
 
 Method. The bundled SmolLM2, three settings, each in a child process of its own (its OpenMP threads set up as
-barreld's, barreld.engine.openmp): flash attention off with n_ubatch = n_batch = 512 (barreld's default here),
-on with 512, and on with 32. For each: the reuse probe's verdict on a 4,096-cell context (grain, fewest batch,
+barreld's, barreld.engine.openmp): flash attention off with n_ubatch = n_batch = 512, on with 512 (barreld's
+default here), and on with 32. For each: the reuse probe's verdict on a 4,096-cell context (grain, fewest batch,
 whether a generated token's KV is a prefill's), a cold prefill of bench.prefill's agent head cut to `--tokens` in
 the calls barreld makes for a prefill alone (bench.prefill_floor's loop), and decode tokens/s of one sequence and
 of four (bench.decode_floor's loop, `--decode` tokens). No server: this is llama.cpp through barreld's backend.

@@ -353,7 +353,9 @@ def _logit_rows(section: memoryview, flags: int, meta: dict, n_tokens: int
                 ) -> tuple[memoryview | None, tuple[tuple[int, memoryview], ...]]:
     """The logits section split into the checkpoint's own row (flag bit 0) and earlier prompts' rows (bit 1,
     one per `prompt_logits` entry), every row of one length."""
-    points = [int(at) for at in meta["prompt_logits"]] if flags & _FLAG_PROMPT_LOGITS else []
+    points = list(meta["prompt_logits"]) if flags & _FLAG_PROMPT_LOGITS else []
+    if not all(type(at) is int for at in points):
+        raise ValueError(f"prompt logits after {points} tokens: not token counts")
     if (flags & _FLAG_PROMPT_LOGITS) != ("prompt_logits" in meta and _FLAG_PROMPT_LOGITS) or (
             flags & _FLAG_PROMPT_LOGITS and not points) or not all(0 < at <= n_tokens for at in points):
         raise ValueError(f"prompt logits after {points} tokens do not fit the flags or the {n_tokens} tokens")
@@ -423,5 +425,5 @@ def decode(buf: Buffer) -> Checkpoint:
             chain=chain,
             tenant=str(meta.get("tenant", "")), namespace=bytes.fromhex(meta.get("namespace", "")),
         )
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise CorruptCheckpoint(f"bad metadata: {e}") from e

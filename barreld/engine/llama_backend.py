@@ -92,9 +92,8 @@ class LlamaBackend:
         if settings.n_ctx > n_ctx_train:
             L.llama_model_free(self._model)
             raise ModelLoadError(f"n_ctx {settings.n_ctx} exceeds the model's training context {n_ctx_train}")
-        kind = memory_kind(max(0, L.llama_model_n_swa(self._model)), L.llama_model_is_recurrent(self._model),
-                           L.llama_model_is_hybrid(self._model))
-        self.flash_attn = resolve_flash_attn(settings.flash_attn, kind, settings.swa_full)
+        self._describe_memory(settings)
+        self.flash_attn = resolve_flash_attn(settings.flash_attn, self.memory, settings.swa_full)
         settings = self.settings = dataclasses.replace(settings, flash_attn=self.flash_attn)
         cparams = self._context_params(settings)
         self._ctx = L.llama_init_from_model(self._model, cparams)
@@ -107,7 +106,6 @@ class LlamaBackend:
         self.n_seq_max = settings.n_seq_max
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self.ftype = L.llama_model_ftype(self._model)
-        self._describe_memory(settings)
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(512)
         self._pieces: dict[int, bytes] = {}

@@ -112,14 +112,18 @@ class Memory:
         tail = frontier - (frontier - 1) // self.chunk * self.chunk
         return frontier - tail if tail < self.min_batch else frontier
 
+    def cut_is_own(self, p: int) -> bool:
+        """Whether a state that grew past p prefilled tokens, cut at p, is the state a prefill of exactly p gives
+        (so p's own logits may go with it): the tokens after p's last reuse point were computed again by the
+        prefill that grew it, unproven equal unless p is itself a reuse point a longer prompt may extend from."""
+        return p > 0 and self.extendable(p) == p and p % self.grain == 0
+
     def aligned(self, frontier: int, matched: int, n: int, logits_at: int | None) -> int:
         """The reuse point for a prompt of n tokens whose first `matched` tokens are those of a state holding
         `frontier` prefilled ones: the whole prompt when its logits after n tokens are known, else the last
         multiple of the grain below n that leaves at least min_batch tokens before the next chunk boundary (with
-        `spans`, before the prompt's end: the warm start's first call runs on past that boundary). A state cut
-        at n with the logits of a prefill that ended there is that prefill's only if its last call held
-        min_batch tokens: a shorter one's tokens were computed again in a full batch when the state grew."""
-        if min(frontier, matched) == n and logits_at == n and (frontier == n or self.extendable(n) == n):
+        `spans`, before the prompt's end: the warm start's first call runs on past that boundary)."""
+        if min(frontier, matched) == n and logits_at == n and (frontier == n or self.cut_is_own(n)):
             return n
         k = min(self.extendable(frontier), matched, n - 1) // self.grain * self.grain
         if self.spans:

@@ -274,7 +274,7 @@ class ModelCache:
         if state is None or not self.memory.reusable(frontier, logits is not None):
             return None
         earlier = tuple((p, row) for p, row in sorted(seq.prompt_logits.items())
-                        if p < frontier and self.memory.cuts_states and self.memory.extendable(p) == p)
+                        if p < frontier and self.memory.cuts_states and self.memory.cut_is_own(p))
         return SavedState(state, frontier, logits, earlier)
 
     def _cut(self, state: bytearray, frontier: int) -> StateBytes:

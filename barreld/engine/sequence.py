@@ -46,8 +46,8 @@ class Sequence:
     frontier_logits: np.ndarray | None = None  # logits after the frontier's last token, when known
     prompt_len: int = 0  # the last request's prompt length: a save indexes that prefix too
     snapshot: Snapshot | None = None
-    # The logits after each of its latest prompts (by their token counts), kept when settling or the next prompt
-    # moves the frontier off their ends: the same prompt sent again samples from them once cut back to it.
+    # The logits after each of its latest prompts (by their token counts), taken when each was prefilled: the
+    # same prompt sent again samples from them once cut back to it, where the memory says the cut is its own.
     prompt_logits: dict[int, np.ndarray] = field(default_factory=dict)
     namespace: Namespace = DEFAULT_NAMESPACE  # whose text it holds: only that namespace's prompts reuse it
 
@@ -118,8 +118,6 @@ class Sequence:
             self.frontier_logits = None
         for p in [p for p in self.prompt_logits if p > n]:
             del self.prompt_logits[p]
-        if n == self.frontier and n in self.prompt_logits:
-            self.frontier_logits = self.prompt_logits[n]
         self.prompt_len = min(self.prompt_len, n)
         if self.snapshot is not None and self.snapshot.length > n:
             self.snapshot = None

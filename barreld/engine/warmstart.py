@@ -273,7 +273,7 @@ class WarmStarts:
 
     def _cut_live(self, plan: WarmStart, seq: Sequence) -> int:
         """Keeps the planned prefix of a live sequence: cut back, or its snapshot put back."""
-        k = plan.tokens
+        k, held = plan.tokens, seq.frontier
         self.cache.save_before_cut(seq, k)
         snap = plan.snapshot
         if snap is None:
@@ -283,6 +283,8 @@ class WarmStarts:
         seq.truncate(k)
         if snap is not None and snap.logits is not None:
             seq.frontier_logits = snap.logits
+        elif snap is None and k < held and self.memory.cut_is_own(k):
+            seq.frontier_logits = seq.prompt_logits.get(k)  # a cut to a prompt's end: its own state and logits
         return k
 
     def _restore(self, plan: WarmStart, seq: Sequence, tokens: list[int]) -> int:
@@ -307,7 +309,7 @@ class WarmStarts:
             seq.origin = plan.hit.row_key
             points = [*([ckpt.logits_tokens] if ckpt.logits is not None else []), *(p for p, _ in ckpt.prompt_logits)]
             seq.keep_logits({p: np.frombuffer(ckpt.logits_after(p), dtype=np.float32).copy()
-                             for p in points if p <= k and (p == k or self.memory.extendable(p) == p)})
+                             for p in points if p <= k and (p == k or self.memory.cut_is_own(p))})
             seq.frontier_logits = seq.prompt_logits.get(k)
             return k
 

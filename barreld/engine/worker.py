@@ -363,7 +363,7 @@ class ModelWorker:
         for t in req.target[len(seq.tokens) : end]:
             seq.append(t, self.backend.piece(t), prefilled=True)
         seq.frontier_logits = logits
-        if end == len(req.target):
+        if end == len(req.target) and self.cache.memory.cuts_live:
             seq.keep_logits({end: logits})  # the prompt's own: resent, it samples from them once cut back to it
         if end in req.boundaries:
             req.snapshot_saves.append(self.cache.boundary_snapshot(seq))

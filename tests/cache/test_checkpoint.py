@@ -242,3 +242,22 @@ def test_earlier_prompts_logits_are_refused_unless_rows_of_one_length_within_the
         encoded_size(replace(ckpt, prompt_logits=((3, b"\0" * 4),)))
     back = decode(encode(replace(ckpt, logits=None, prompt_logits=((1, b"\1" * 4),))))
     assert back.logits is None and bytes(back.logits_after(1)) == b"\1" * 4 and back.logits_after(2) is None
+
+
+@pytest.mark.parametrize("bad", ['"1"', "1.5", "true", "1e999", "0"])
+def test_malformed_prompt_logits_metadata_is_a_corrupt_file_not_a_crash(monkeypatch: pytest.MonkeyPatch,
+                                                                        bad: str) -> None:
+    """A file whose checksum holds but whose prompt_logits are not token counts within its tokens is refused
+    as corrupt (dropped and counted), never read as some other count."""
+    from dataclasses import replace
+
+    import barreld.cache.checkpoint as fmt
+
+    dumps = fmt.json.dumps
+    monkeypatch.setattr(fmt.json, "dumps", lambda obj, **kw: dumps(obj, **kw).replace(
+        '"prompt_logits":[1]', f'"prompt_logits":[{bad}]'))
+    raw = encode(replace(small_ckpt(), prompt_logits=((1, b"\1" * 4),)))
+    monkeypatch.undo()
+    assert f'"prompt_logits":[{bad}]'.encode() in raw
+    with pytest.raises(CorruptCheckpoint, match="bad metadata"):
+        decode(raw)

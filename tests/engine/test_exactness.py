@@ -171,7 +171,8 @@ def test_a_sequence_keeps_the_logits_of_its_latest_prompts_while_its_tokens_stil
     assert sorted(seq.prompt_logits) == list(range(3, PROMPT_LOGITS_KEPT + 3))  # the latest ones
     assert seq.logits_at(5) == 5 and seq.logits_at(2) is None
     seq.truncate(6)
-    assert sorted(seq.prompt_logits) == [3, 4, 5, 6] and seq.frontier_logits[0] == 6  # cut back to a prompt end
+    assert sorted(seq.prompt_logits) == [3, 4, 5, 6] and seq.logits_at(6) == 6
+    assert seq.frontier_logits is None  # whether the cut is the prompt's own state is the memory's to say
 
 
 def test_a_recurrent_state_stored_off_the_chunks_is_found_by_a_longer_prompt(tmp_path: Path, store: WatchedStore
@@ -250,6 +251,25 @@ def test_a_prompt_whose_short_last_chunk_settled_again_is_not_restored_whole_fro
     assert e.counter("settled_tokens") > 0
     again = e.run(prompt)
     assert (again.route, again.started.cache.restored_tokens) == ("exact", 4 * CHUNK + 1)
+    assert again.text == e.cold(prompt).text
+    e.close()
+
+
+def test_a_prompt_ending_off_the_grain_settled_again_is_not_restored_whole_from_its_kept_logits(
+    tmp_path: Path, store: WatchedStore
+) -> None:
+    """On a model whose floats follow the split (the chunk rule), a prompt's last two tokens, past its last
+    chunk boundary, are computed again inside a full chunk when its reply settles: the live sequence cut back
+    to the prompt is not its state, so it is not restored whole with its kept logits."""
+    model = write_gguf(tmp_path / "split.gguf", split=True)
+    e = Engine(tmp_path, store, model_file=model, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    assert e.load(policy={"settle_tokens": "infinity"}).memory.grain == CHUNK
+    prompt = plain(4 * CHUNK + 2, 13)
+    e.run(prompt)
+    e.wait_settled()
+    assert e.counter("settled_tokens") > 0
+    again = e.run(prompt)
+    assert (again.route, again.started.cache.restored_tokens) != ("live", 4 * CHUNK + 2)
     assert again.text == e.cold(prompt).text
     e.close()
 

@@ -44,7 +44,11 @@ def test_a_reuse_point_is_a_chunk_boundary_or_the_whole_prompt_with_its_logits()
     # a prompt whose last chunk was one token, found in a state that grew past it: that token was prefilled again
     # in a full batch, so the state cut there is not the prompt's own, whatever logits were kept
     assert FULL.aligned(1100, 961, 961, 961) == 960 and FULL.aligned(961, 961, 961, 961) == 961
-    assert FULL.aligned(1100, 962, 962, 962) == 962
+    # ... nor is a cut off the grain: the tokens after its last reuse point were computed in a later batch
+    assert FULL.aligned(1100, 962, 962, 962) == 960
+    assert Memory(MemoryKind.FULL, grain=1).aligned(1100, 962, 962, 962) == 962
+    assert Memory(MemoryKind.FULL, grain=4, min_batch=8).aligned(1100, 972, 972, 972) == 972
+    assert Memory(MemoryKind.FULL, grain=4, min_batch=8).aligned(1100, 970, 970, 970) == 960
 
 
 FINE = Memory(MemoryKind.FULL, chunk=64, grain=1)

@@ -314,7 +314,8 @@ class RemoteTier:
         restore. Also the keys of the blocks it was assembled from.
 
         For a prefix hit on full attention, only the blocks that cover the prefix: their cells alone are the
-        prefix's state (causal attention), without the row's tail and logits."""
+        prefix's state (causal attention), without the row's tail and its own logits (the logits after earlier
+        prompts within the prefix stay)."""
         ckpt = decode(own)
         ckpt.check_key()
         chain = ckpt.chain
