@@ -21,9 +21,13 @@ barreld first, then llama-server, each call's wall time measured by the client, 
 tool would take (barreld settles its reply meanwhile). Tokens prefilled are each server's own count: barreld's
 `barrel.cache.prefilled_tokens`, llama-server's `usage.input_tokens` (its prompt less `cache_read_input_tokens`).
 On a template that does not mention tools llama-server leaves them out of the prompt, and barreld writes them in
-its generic format, so the prompts differ in length: compare per prefilled token. Then both are stopped
-(barreld with SIGTERM, so its shutdown saves run) and started again (barreld on its data dir), and the whole
-session is sent again, without pauses: its total wall time on each.
+its generic format, so the prompts differ in length (about three times) and so does the cost of a token. A
+second llama-server therefore gets barreld's own prompt: each request rendered as barreld renders it (its
+chat module, the model's BOS and EOS texts) and sent as text to `/completion` (`cache_prompt` on, one token),
+which tokenises it as barreld does (special tokens parsed): the same tokens, as the tables' prompt counts show.
+Per prefilled token, barreld is compared with that one; the plain llama-server's figures stand beside. Then
+all are stopped (barreld with SIGTERM, so its shutdown saves run) and started again (barreld on its data dir),
+and the whole session is sent again, without pauses: its total wall time on each.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from barreld.engine import chat
+from barreld.http.anthropic import parse_messages
 from bench.harness import begin, progress
 from bench.llama_server import build
 from bench.prefill import GemmaServer, Model
@@ -222,6 +229,44 @@ def llama_call(port: int, body: dict) -> Call:
     return Call(wall, usage["input_tokens"] + usage.get("cache_read_input_tokens", 0), usage["input_tokens"])
 
 
+@dataclass(frozen=True)
+class Renderer:
+    """A Messages request as the prompt barreld makes of it: its chat module, this model's BOS and EOS."""
+
+    template: str
+    bos: str
+    eos: str
+
+    @classmethod
+    def of(cls, template: str, model: Path) -> Renderer:
+        from llama_cpp import Llama
+
+        vocab = Llama(str(model), vocab_only=True, verbose=False)
+        special = [vocab.detokenize([t], special=True).decode() for t in (vocab.token_bos(), vocab.token_eos())]
+        return cls(template, *special)
+
+    def prompt(self, body: dict) -> str:
+        req = parse_messages({**body, "max_tokens": 1})
+        return chat.render(self.template, req.messages, bos=self.bos, eos=self.eos, model="gemma", tools=req.tools,
+                           options=dict(req.template_options)).decode()
+
+
+def same_prompt_call(port: int, prompt: str) -> Call:
+    """barreld's prompt, as text, to llama-server's /completion: its own count of tokens cached and prefilled."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    t0 = time.perf_counter()
+    conn.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True,
+                                                     "temperature": 0}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    wall = time.perf_counter() - t0
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"/completion answered {resp.status}: {raw[:300]!r}")
+    timings = json.loads(raw)["timings"]
+    return Call(wall, timings["cache_n"] + timings["prompt_n"], timings["prompt_n"])
+
+
 class TemplatedServer(GemmaServer):
     def __init__(self, workdir: Path, binary: Path, model: Model, template: Path) -> None:
         super().__init__(workdir, binary, model)
@@ -236,42 +281,64 @@ def barreld_config(template: Path) -> str:
             f'chat_template = "{template}"\nstop = ["\\n"]\n')
 
 
-def measure() -> tuple[list[tuple[Call, Call]], tuple[float, float], int]:
+@dataclass
+class Side:
+    """One server of the replay: how a recorded request goes to it."""
+
+    name: str
+    send: Callable[[int], Call]  # the recorded request of this index
+
+
+def measure() -> tuple[list[tuple[Call, ...]], tuple[float, ...], int]:
+    """The live calls, (barreld, llama-server given barreld's prompt, llama-server as it is) each, and the
+    whole session's time on each after the restart."""
     requests = json.loads(SESSION.read_text())["requests"]
     binary = build()
     with tempfile.TemporaryDirectory(prefix="barrel-bench-claude-") as work:
         template = Path(work) / "dialogue.jinja"
         template.write_text(dialogue_template())
-        (Path(work) / "ls").mkdir()
-        server = TemplatedServer(Path(work) / "ls", binary, Model("gemma", gemma_path(), N_CTX, True), template)
+        renderer = Renderer.of(template.read_text(), gemma_path())
+        prompts = [renderer.prompt(body) for body in requests]
+        model = Model("gemma", gemma_path(), N_CTX, True)
+        for name in ("ls", "same"):
+            (Path(work) / name).mkdir()
+        plain = TemplatedServer(Path(work) / "ls", binary, model, template)
+        same = GemmaServer(Path(work) / "same", binary, model)
         with Sandbox.new(barreld_config(template), label="bench-claude") as box:
-            progress("starting barreld and llama-server")
+            progress("starting barreld and two llama-servers")
             barreld = Daemon(box)
-            server.start()
+            servers = (same, plain)
+            for server in servers:
+                server.start()
             try:
+                sides = [Side("barreld", lambda i: barreld_call(barreld.port, requests[i])),
+                         Side("llama-server, barreld's prompt", lambda i: same_prompt_call(same.port, prompts[i])),
+                         Side("llama-server", lambda i: llama_call(plain.port, requests[i]))]
                 live = []
-                for i, body in enumerate(requests):
+                for i in range(len(requests)):
                     progress(f"live, call {i + 1}/{len(requests)}")
-                    ours = barreld_call(barreld.port, body)
-                    time.sleep(PAUSE_S)
-                    theirs = llama_call(server.port, body)
-                    time.sleep(PAUSE_S)
-                    live.append((ours, theirs))
-                progress("restarting both")
+                    calls = []
+                    for side in sides:
+                        calls.append(side.send(i))
+                        time.sleep(PAUSE_S)
+                    live.append(tuple(calls))
+                progress("restarting all three")
                 proc = box.procs[-1]
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(120)
-                server.stop()
+                for server in servers:
+                    server.stop()
                 barreld = Daemon(box)
-                server.start()
+                for server in servers:
+                    server.start()
                 totals = []
-                for name, call, port in (("barreld", barreld_call, barreld.port),
-                                         ("llama-server", llama_call, server.port)):
-                    progress(f"after the restart: the whole session on {name}")
-                    totals.append(sum(call(port, body).wall_s for body in requests))
+                for side in sides:
+                    progress(f"after the restart: the whole session on {side.name}")
+                    totals.append(sum(side.send(i).wall_s for i in range(len(requests))))
             finally:
-                server.stop()
-    return live, (totals[0], totals[1]), len(requests)
+                for server in servers:
+                    server.stop()
+    return live, tuple(totals), len(requests)
 
 
 def split(call: Call) -> str:
@@ -282,35 +349,52 @@ def split(call: Call) -> str:
     return f"{found:.0f}, {prefill:.0f}, {call.wall_s * 1000 - found - prefill:.0f}"
 
 
-def tables(live: list[tuple[Call, Call]], totals: tuple[float, float], n: int) -> list[Table]:
-    per_call = Table("A Claude Code session, call by call, live",
-                     ["call", "barreld prompt", "barreld prefilled", "barreld s", "llama-server prompt",
-                      "llama-server prefilled", "llama-server s", "tokens/s prefilled: barreld", "llama-server",
+def rate(call: Call) -> float:
+    return call.prefilled / call.wall_s
+
+
+def tables(live: list[tuple[Call, ...]], totals: tuple[float, ...], n: int) -> list[Table]:
+    per_call = Table("A Claude Code session, call by call, live: barreld against llama-server given barreld's prompt",
+                     ["call", "prompt: barreld", "llama-server", "prefilled: barreld", "llama-server", "s: barreld",
+                      "llama-server", "time: barreld / llama-server", "tokens/s prefilled: barreld", "llama-server",
                       "barreld / llama-server", "barreld: lookup + restore, prefill, rest (ms)"])
-    for i, (ours, theirs) in enumerate(live, 1):
-        a, b = ours.prefilled / ours.wall_s, theirs.prefilled / theirs.wall_s
-        per_call.add(str(i), f"{ours.prompt:,}", f"{ours.prefilled:,}", f"{ours.wall_s:.2f}", f"{theirs.prompt:,}",
-                     f"{theirs.prefilled:,}", f"{theirs.wall_s:.2f}", f"{a:.0f}", f"{b:.0f}", ratio(a, b),
-                     split(ours))
-    calls_2on = [sum(c.wall_s for c in side) for side in zip(*live[1:], strict=True)] if len(live) > 1 else [0, 0]
-    per_call.note = (f"Calls 2-{len(live)}: barreld {calls_2on[0]:.1f} s, llama-server {calls_2on[1]:.1f} s. Wall "
-                     "time per call at the client, one token generated; tokens prefilled as each server counts them.")
-    restart = Table("The whole session after restarting both",
-                    ["server", "calls", "total s", "vs llama-server"])
-    restart.add("barreld", str(n), f"{totals[0]:.1f}", ratio(totals[0], totals[1]))
-    restart.add("llama-server", str(n), f"{totals[1]:.1f}", "1.00x")
+    for i, (ours, theirs, _) in enumerate(live, 1):
+        per_call.add(str(i), f"{ours.prompt:,}", f"{theirs.prompt:,}", f"{ours.prefilled:,}", f"{theirs.prefilled:,}",
+                     f"{ours.wall_s:.2f}", f"{theirs.wall_s:.2f}", ratio(ours.wall_s, theirs.wall_s),
+                     f"{rate(ours):.0f}", f"{rate(theirs):.0f}", ratio(rate(ours), rate(theirs)), split(ours))
+    later = [sum(c.wall_s for c in side) for side in zip(*live[1:], strict=True)] if len(live) > 1 else [0.0] * 3
+    per_call.note = (f"Calls 2-{len(live)}: barreld {later[0]:.1f} s, llama-server {later[1]:.1f} s. Wall time per "
+                     "call at the client, one token generated; tokens prefilled as each server counts them. "
+                     "llama-server gets the text barreld's template makes of each request at /completion. Each "
+                     "prompt extends the one before; on Gemma's ring barreld resumes at the last chunk boundary "
+                     "(128 tokens) before that prompt's end, the finest point its reuse probe proves exact there, "
+                     "and llama-server at the prompt's end.")
+    plain = Table("The same calls to llama-server's /v1/messages, which leaves the tools out of its prompt",
+                  ["call", "prompt", "prefilled", "s", "tokens/s prefilled", "barreld / llama-server, per token"])
+    for i, (ours, _, theirs) in enumerate(live, 1):
+        plain.add(str(i), f"{theirs.prompt:,}", f"{theirs.prefilled:,}", f"{theirs.wall_s:.2f}", f"{rate(theirs):.0f}",
+                  ratio(rate(ours), rate(theirs)))
+    plain.note = (f"Calls 2-{len(live)}: {later[2]:.1f} s. Its template does not mention tools, so its model could "
+                  "not call them: a shorter prompt, where a token costs less.")
+    restart = Table("The whole session after restarting all three",
+                    ["server", "calls", "total s", "vs llama-server, barreld's prompt", "vs llama-server"])
+    for name, total in zip(("barreld", "llama-server, barreld's prompt", "llama-server"), totals, strict=True):
+        restart.add(name, str(n), f"{total:.1f}", ratio(total, totals[1]), ratio(total, totals[2]))
     restart.note = ("barreld restores from its disk tier what its shutdown saved; llama-server keeps its prompt "
                     "cache in memory only and starts empty.")
-    return [per_call, restart]
+    return [per_call, plain, restart]
 
 
-def plot(live: list[tuple[Call, Call]], totals: tuple[float, float], path: Path) -> None:
+def plot(live: list[tuple[Call, ...]], totals: tuple[float, ...], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
     x = list(range(1, len(live) + 1))
-    for shift, side, color, name in ((-0.2, 0, "tab:green", "barreld"), (0.2, 1, "tab:red", "llama-server")):
-        a.bar([i + shift for i in x], [pair[side].wall_s for pair in live], 0.4, color=color, label=name)
+    names = ("barreld", "llama-server, barreld's prompt", "llama-server, tools left out")
+    colors = ("tab:green", "tab:red", "tab:orange")
+    for side, (name, color) in enumerate(zip(names, colors, strict=True)):
+        a.bar([i + (side - 1) * 0.27 for i in x], [calls[side].wall_s for calls in live], 0.27, color=color,
+              label=name)
     a.set_yscale("log")
     a.set_xticks(x)
     a.set_xlabel("Claude Code's call")
@@ -318,9 +402,9 @@ def plot(live: list[tuple[Call, Call]], totals: tuple[float, float], path: Path)
     a.set_title("Live: each call as Claude Code sent it")
     a.legend(fontsize=8)
     a.grid(True, axis="y", which="both", alpha=0.3)
-    b.bar(["barreld", "llama-server"], totals, color=["tab:green", "tab:red"])
+    b.bar(["barreld", "same prompt", "tools out"], totals, color=colors)
     b.set_ylabel("the whole session (s)")
-    b.set_title("After restarting both")
+    b.set_title("After restarting all three")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
