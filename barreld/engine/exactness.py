@@ -23,7 +23,8 @@ The verdict is remembered per library, CPU, model file and the context settings 
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
 nothing) in `reuse-grains.json` beside the decode checks, so a model costs its probe once: three to thirty
 prefills of about 2.5 chunks (1 to 20 s on these 2 cores). On an SWA ring without swa_full every one of them
-starts past the window plus a batch, from a restored state, so the verdict speaks for a wrapped window.
+starts two windows plus a batch in, from a restored state, so the verdict speaks for a wrapped window, and
+there the probe tries every point a grain allows in a chunk (`_Probe._points`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
 MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
-PROBE_VERSION = 8  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 9  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
 PROBE_SEQ = 0
 PROBE_TEXT = (
@@ -140,8 +141,9 @@ class _Probe:
     def __init__(self, backend: Backend, memory: Memory) -> None:
         self.be, self.memory = backend, memory
         c = memory.chunk
-        # An SWA ring is probed past the point where it wraps: its warm starts restore a wrapped window.
-        self.base = -(-(memory.window + backend.n_batch) // c) * c if memory.ring else 0
+        # An SWA ring is probed a window past the point where it first wraps: its warm starts restore a wrapped
+        # window, and at the first wrap some points were exact on Gemma 3 that are not deeper in.
+        self.base = -(-(2 * memory.window + backend.n_batch) // c) * c if memory.ring else 0
         self.end = self.base + 2 * c + c // 2 + 7  # crosses two chunk boundaries past base, ends inside a chunk
         if c < 8 or self.end + 8 > backend.n_ctx:
             raise ValueError(f"no room for a probe of {self.end} tokens in chunks of {c}")
@@ -158,16 +160,31 @@ class _Probe:
         self._clear()
         self._prefill(0, self.base + c)
         self.head = bytes(self.be.state_get(PROBE_SEQ))
-        # On a ring a cell's place follows where the call that wrote it started, and calls start on chunk
-        # boundaries: 20 tokens past one a warm start gets other logits (bench.ring), where the probe's points,
-        # all 64 past one for a fewest batch of 64, would pass. So a ring keeps the chunk rule, proven here.
-        for grain, min_batch in [] if self.base else candidates(c):
+        for grain, min_batch in candidates(c):
             points = self._points(grain, min_batch)
-            if points and all(self._warm(k, cut, grain, min_batch) == cold for k, cut in points):
+            exact = points and all(self._warm(k, cut, grain, min_batch) == cold for k, cut in points)
+            if exact and (not self.memory.ring or self._fewest_tail(grain, min_batch)):
                 merged = self._merged(points, grain, min_batch)
                 return (grain, min_batch, self._generated(grain, min_batch), merged,
                         self._spans(grain, min_batch, merged))
         return c, 2, False, self._merged([(self.base + c, False)], c, 2), False
+
+    def _fewest_tail(self, grain: int, min_batch: int) -> bool:
+        """On a ring, whose points above leave as many tokens as the probe's text has past them: prompts that
+        end min_batch tokens past each point the pair allows in a chunk, warm from there, against the same
+        prompts prefilled in the engine's chunks from the boundary before. Measured on Gemma 3: a last batch
+        of under 8 tokens gives other floats at some points and depths and not at others, so one point proves
+        little."""
+        c, b = self.memory.chunk, self.base
+        for k in range(b + c + -(-min_batch // grain) * grain, b + 2 * c - min_batch + 1, grain):
+            self._restart()
+            logits = self._prefill(b + c, k + min_batch)
+            reference = (bytes(self.be.state_get(PROBE_SEQ)), logits.tobytes())
+            self._restart()
+            self._prefill(b + c, k)
+            if self._finish(k, 0, k + min_batch) != reference:
+                return False
+        return True
 
     def _merged(self, points: list[tuple[int, bool]], grain: int, min_batch: int) -> bool:
         """Whether calls of up to n_batch tokens, ending on chunk boundaries, give the chunked floats: a cold
@@ -233,7 +250,13 @@ class _Probe:
         past min_batch tokens of its chunk (the previous prompt ends there). Empty when the chunks leave no
         such point; but a state at its own length with 2 * min_batch at least the chunk needs no point where
         the prompt ends: its warm batches start min_batch into a chunk and hold min_batch at least, so none
-        ends inside a chunk."""
+        ends inside a chunk.
+
+        On a ring, every point the pair allows in each of those chunks: a warm call's cells lie shifted from a
+        cold call's by its start's distance from the chunk boundary, and whether that changes the floats does
+        not follow the grain alone. Measured on Gemma 3 (AVX-512) a window or more past the first wrap: every
+        multiple of 16 exact, and 120 tokens past a boundary, but no other odd multiple of 8, so that one point
+        would have passed a grain of 8."""
         c, memory, b = self.memory.chunk, self.memory, self.base
         ways = [True] if memory.cuts_states else [False, *([True] if memory.cuts_live else [])]
         points = []
@@ -246,7 +269,8 @@ class _Probe:
                 if not fits:
                     return []
                 odd = [m for m in fits if m % 2]
-                points.append((start + max(odd or fits) * grain, cut))
+                tried = fits if memory.ring else [max(odd or fits)]
+                points.extend((start + m * grain, cut) for m in tried)
         return points
 
     def _warm(self, k: int, cut: bool, grain: int, min_batch: int, room: int = 0) -> tuple[bytes, bytes]:

@@ -20,8 +20,10 @@ The rules rest on what llama.cpp was measured to do:
   itself it wraps, its cells then lie in another order than a restored state's and later logits differ; so
   every prefill call on a ring ends with the window put back in position order from the first cell
   (`Backend.decode`), which is the order a restore gives it, and a state of any length restores exactly at a
-  reuse point the probe proved (measured on Gemma 3: yes at chunk boundaries, no 4 tokens off them). A ring's
-  live sequence is never cut: once the window moves on, the cells a cut needs are gone.
+  reuse point the probe proved (measured on Gemma 3: at multiples of 16 tokens, not at odd multiples of 8,
+  where a warm call's cells lie shifted from a cold call's). A ring's live sequence is never cut: once the
+  window moves on, the cells a cut needs are gone, so a prompt's prefill keeps a copy of its state at the last
+  such point (`snapshot_point`) for the next prompt to extend.
 - recurrent and hybrid: the recurrent state exists at the last position only and seq_rm of a tail is
   refused: a state is usable at exactly its own length.
 """
@@ -182,11 +184,17 @@ class Memory:
 
     def snapshot_point(self, n: int, kept: int) -> int:
         """Where a memory that cannot be cut keeps a copy of its state while prefilling a prompt of n tokens
-        from `kept` restored ones: the last reuse point a later prompt can take from it; 0 for none."""
+        from `kept` restored ones: the last reuse point a later prompt can take from it, where the prefill may
+        stop a call as a warm start from there would (min_batch tokens before n at least), else the chunk
+        boundary below n, where every prefill splits anyway; 0 for none."""
         if self.cuts_states:
             return 0
-        exact_end = kept == n or self.aligned(n, n, n + 2, None) == n
-        return n if exact_end else n // self.chunk * self.chunk
+        if kept == n or self.aligned(n, n, n + 2, None) == n:
+            return n
+        k = (n - 1) // self.grain * self.grain
+        while k % self.chunk and self.restore_point(k, k, n, None) != k:
+            k -= self.grain
+        return k
 
     def indexed_at(self, boundary: int, frontier: int) -> bool:
         """Whether a state of `frontier` prefilled tokens is worth finding under a prefix of `boundary`

@@ -40,7 +40,10 @@ def chunk_end(pos: int, end: int, chunk: int) -> int:
 def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] = (), min_batch: int = 2,
              spans: bool = False) -> int:
     """Where one llama.cpp call that prefills from pos ends when it may hold several whole chunks: the last
-    chunk end within `room` tokens of pos (the first chunk's end at least), short of any of `stops`. A prompt's
+    chunk end within `room` tokens of pos (the first chunk's end at least), short of any of `stops`, which may
+    lie inside a chunk (a snapshot where a memory that cannot be cut keeps a prompt: a warm start from there
+    splits its chunk the same way, as the probe proved for the grain that allows the point); such a chunk is
+    merged with none before it, as in the probe. A prompt's
     last chunk of fewer than min_batch tokens stays a call of its own, as the chunked prefill has it: inside a
     larger call its tokens would take the larger call's kernels (flash attention's tiled path; with a chunk of
     one token, the path of a batch).
@@ -50,14 +53,19 @@ def call_end(pos: int, end: int, chunk: int, room: int, stops: Collection[int] =
     before it, whatever `stops` and `room` say. Every token then takes the kernels of a full batch, wherever a
     warm start began, so a state is reusable to its last token and a warm start may begin anywhere short of
     min_batch tokens before the prompt's end."""
+    def inside(a: int, b: int) -> bool:
+        return not spans and any(a < s < b for s in stops)
+
     stop = chunk_end(pos, end, chunk)
+    if inside(pos, stop):
+        return min(s for s in stops if pos < s < stop)
     while spans and stop < end and (stop - pos < min_batch or end - stop < min_batch):
         stop = chunk_end(stop, end, chunk)
     while stop < end and stop not in stops:
         after = chunk_end(stop, end, chunk)
         if spans and end - after < min_batch:
             after = end
-        if after - pos > room or (not spans and after == end and end - stop < min_batch):
+        if after - pos > room or (not spans and after == end and end - stop < min_batch) or inside(stop, after):
             break
         stop = after
     return stop

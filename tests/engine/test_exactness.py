@@ -87,6 +87,30 @@ def test_calls_that_hold_min_batch_across_chunk_boundaries_are_allowed_where_the
     assert not measure(plain_model, model_memory(plain_model, 32)).spans  # any two tokens do: nothing to gain
 
 
+class Shifted(FakeBackend):
+    """A ring whose floats follow where a call starts in its chunk (64): as Gemma 3's measured, a start off a
+    multiple of 16 gives other floats, but for a few such starts (there 120 of 128, and 56 at some depths)."""
+
+    def _split(self, run: list[int]) -> bytes:
+        off = run[0] % 64
+        return super()._split(run) + (b"s" if off % 16 and off not in (24, 56) else b"")
+
+
+def test_a_ring_is_reused_at_the_grain_every_point_of_a_chunk_proves(tmp_path: Path) -> None:
+    """Past its first wrap, with its fewest batch (a last call of under 8 tokens takes other kernels): the one
+    point of each chunk that the other kinds try would have passed a grain of 8 here; a ring insensitive to
+    the shift is reused at any token, with the fewest batch."""
+    settings = ContextSettings(n_ctx=512, n_batch=64)
+    shifted = Shifted(write_gguf(tmp_path / "r.gguf", memory=MemoryKind.SWA, window=32, min_batch=8), settings)
+    memory = model_memory(shifted, 64)
+    assert memory.ring
+    verdict = measure(shifted, memory)
+    assert (verdict.grain, verdict.min_batch, verdict.source) == (16, 8, "probe")
+    plain_ring = opened(write_gguf(tmp_path / "p.gguf", memory=MemoryKind.SWA, window=32, min_batch=8), settings)
+    assert (measure(plain_ring, model_memory(plain_ring, 64)).grain, verdict.min_batch) == (1, 8)
+    assert shifted.seq_pos_range(0) == (-1, -1)
+
+
 def test_a_fewest_batch_the_chunk_cannot_hold_twice_keeps_the_chunk_rule(tmp_path: Path) -> None:
     be = opened(write_gguf(tmp_path / "m.gguf", min_batch=16), ContextSettings(n_ctx=256, n_batch=128))
     assert measure(be, model_memory(be, 16)).grain == 16

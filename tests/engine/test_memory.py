@@ -104,8 +104,20 @@ def test_the_grain_is_the_chunk_unless_a_finer_one_is_given() -> None:
     assert FINE.summary == "restores and cuts at any token" and "multiple of 4 tokens" in BY4.summary
     fine_recurrent = Memory(MemoryKind.RECURRENT, chunk=64, grain=1)
     assert fine_recurrent.snapshot_point(700, 0) == 700 and RECURRENT.snapshot_point(700, 0) == 640
-    assert fine_recurrent.snapshot_point(639, 0) == 576  # 639..640 would be a batch of one: the chunk before
+    assert fine_recurrent.snapshot_point(639, 0) == 637  # 638..639 would be a batch of one: two before
     assert fine_recurrent.restore_point(700, 700, 800, None) == 700 and fine_recurrent.reusable(650, False)
+
+
+def test_a_ring_keeps_its_prompt_at_the_last_multiple_of_its_grain_that_leaves_min_batch_tokens() -> None:
+    """Gemma 3's verdict on a ring (a grain of 16, batches of 8): a Claude Code call of 13,005 tokens keeps
+    its state 13 short of its end where the chunk rule kept it 77 short; 13,272 keeps 8 short, the fewest."""
+    ring = Memory(MemoryKind.SWA, window=512, chunk=128, grain=16, min_batch=8)
+    coarse = Memory(MemoryKind.SWA, window=512, chunk=128)
+    assert ring.snapshot_point(13_005, 0) == 12_992 and coarse.snapshot_point(13_005, 0) == 12_928
+    assert ring.snapshot_point(13_272, 0) == 13_264 and ring.snapshot_point(13_270, 0) == 13_248
+    assert ring.snapshot_point(13_196, 0) == 13_184  # the chunk boundary is the last point below
+    assert ring.snapshot_point(13_264, 13_264) == 13_264 == ring.restore_point(13_264, 13_264, 13_300, None)
+    assert ring.restore_point(13_256, 13_256, 13_300, None) == 0  # off the grain: not this state
 
 
 @pytest.mark.parametrize(

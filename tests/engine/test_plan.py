@@ -119,6 +119,17 @@ def test_a_short_last_chunk_stays_a_call_of_its_own_when_chunks_are_merged() -> 
     assert call_end(0, 257, 128, 0) == 128
 
 
+def test_a_call_ends_at_a_stop_inside_a_chunk() -> None:
+    """A ring keeps a prompt's state at the last multiple of its grain short of its end (13,005 tokens: 12,992):
+    the call stops there, as a warm start from that state splits the chunk, and the next call runs on."""
+    assert call_end(12_800, 13_005, 128, 512, stops=(12_992,)) == 12_928  # the chunk before it: merged no further
+    assert call_end(12_928, 13_005, 128, 512, stops=(12_992,)) == 12_992
+    assert call_end(12_992, 13_005, 128, 512, stops=(12_992,)) == 13_005
+    assert call_end(12_928, 13_005, 128, 0, stops=(12_992,)) == 12_992  # several sequences: the same split
+    slot = Slot(0, 12_928, list(range(13_005)), None, stops=(12_992,))
+    assert plan_batch([slot], 128, 512).calls == [(0, 64)]
+
+
 
 def test_with_spans_every_call_holds_min_batch_tokens_across_chunk_boundaries() -> None:
     """Where the probe proved it: a warm start short of min_batch before a chunk boundary runs on through the
