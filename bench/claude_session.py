@@ -289,9 +289,9 @@ class Side:
     send: Callable[[int], Call]  # the recorded request of this index
 
 
-def measure() -> tuple[list[tuple[Call, ...]], tuple[float, ...], int]:
-    """The live calls, (barreld, llama-server given barreld's prompt, llama-server as it is) each, and the
-    whole session's time on each after the restart."""
+def measure() -> tuple[list[tuple[Call, ...]], tuple[float, ...], int, str]:
+    """The live calls, (barreld, llama-server given barreld's prompt, llama-server as it is) each, the whole
+    session's time on each after the restart, and barreld's reuse rule for the model (its probe's verdict)."""
     requests = json.loads(SESSION.read_text())["requests"]
     binary = build()
     with tempfile.TemporaryDirectory(prefix="barrel-bench-claude-") as work:
@@ -307,6 +307,7 @@ def measure() -> tuple[list[tuple[Call, ...]], tuple[float, ...], int]:
         with Sandbox.new(barreld_config(template), label="bench-claude") as box:
             progress("starting barreld and two llama-servers")
             barreld = Daemon(box)
+            rule = box.ctl("--json", "models").json()["models"][0]["exact_reuse"]["rule"]
             servers = (same, plain)
             for server in servers:
                 server.start()
@@ -338,7 +339,7 @@ def measure() -> tuple[list[tuple[Call, ...]], tuple[float, ...], int]:
             finally:
                 for server in servers:
                     server.stop()
-    return live, tuple(totals), len(requests)
+    return live, tuple(totals), len(requests), rule
 
 
 def split(call: Call) -> str:
@@ -353,7 +354,7 @@ def rate(call: Call) -> float:
     return call.prefilled / call.wall_s
 
 
-def tables(live: list[tuple[Call, ...]], totals: tuple[float, ...], n: int) -> list[Table]:
+def tables(live: list[tuple[Call, ...]], totals: tuple[float, ...], n: int, rule: str) -> list[Table]:
     per_call = Table("A Claude Code session, call by call, live: barreld against llama-server given barreld's prompt",
                      ["call", "prompt: barreld", "llama-server", "prefilled: barreld", "llama-server", "s: barreld",
                       "llama-server", "time: barreld / llama-server", "tokens/s prefilled: barreld", "llama-server",
@@ -366,9 +367,8 @@ def tables(live: list[tuple[Call, ...]], totals: tuple[float, ...], n: int) -> l
     per_call.note = (f"Calls 2-{len(live)}: barreld {later[0]:.1f} s, llama-server {later[1]:.1f} s. Wall time per "
                      "call at the client, one token generated; tokens prefilled as each server counts them. "
                      "llama-server gets the text barreld's template makes of each request at /completion. Each "
-                     "prompt extends the one before; on Gemma's ring barreld resumes at the last chunk boundary "
-                     "(128 tokens) before that prompt's end, the finest point its reuse probe proves exact there, "
-                     "and llama-server at the prompt's end.")
+                     "prompt extends the one before; llama-server resumes at that prompt's end, barreld where "
+                     f"its reuse probe proves Gemma's ring exact before it ({rule}).")
     plain = Table("The same calls to llama-server's /v1/messages, which leaves the tools out of its prompt",
                   ["call", "prompt", "prefilled", "s", "tokens/s prefilled", "barreld / llama-server, per token"])
     for i, (ours, _, theirs) in enumerate(live, 1):
@@ -418,13 +418,14 @@ def main(argv: list[str] | None = None) -> int:
     m, t0 = begin()
     if args.capture or not SESSION.exists():
         capture()
-    live, totals, n = measure()
+    live, totals, n, rule = measure()
     heading = "A Claude Code session against llama-server"
     if args.results is not None:
         png = args.results.parent / f"{SECTION}.png"
         plot(live, totals, png)
         heading += f"\n\n![{heading}]({png.name})"
-    show_and_put(tables(live, totals, n), args.results, SECTION, heading, "bench.claude_session", argv, t0, m["load"])
+    show_and_put(tables(live, totals, n, rule), args.results, SECTION, heading, "bench.claude_session", argv, t0,
+                 m["load"])
     return 0
 
 
