@@ -200,31 +200,34 @@ class Call:
     timings_ms: dict[str, float] = field(default_factory=dict)  # barreld's own: lookup, restore, prefill, ...
 
 
-def post(port: int, body: dict) -> tuple[float, dict]:
-    """One request to /v1/messages, not streamed, one token: (wall seconds, the reply)."""
-    sent = {**body, "stream": False, "max_tokens": 1}
+def post(port: int, path: str, sent: dict, headers: dict[str, str] | None = None) -> tuple[float, dict]:
+    """One JSON request to a server on loopback: (wall seconds, the reply)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/messages", json.dumps(sent), {"Content-Type": "application/json",
-                                                             "anthropic-version": "2023-06-01"})
+    conn.request("POST", path, json.dumps(sent), {"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     raw = resp.read()
     wall = time.perf_counter() - t0
     conn.close()
     if resp.status != 200:
-        raise RuntimeError(f"/v1/messages answered {resp.status}: {raw[:300]!r}")
+        raise RuntimeError(f"{path} answered {resp.status}: {raw[:300]!r}")
     return wall, json.loads(raw)
 
 
+def messages(port: int, body: dict) -> tuple[float, dict]:
+    """A recorded request to /v1/messages, not streamed, one token."""
+    return post(port, "/v1/messages", {**body, "stream": False, "max_tokens": 1}, {"anthropic-version": "2023-06-01"})
+
+
 def barreld_call(port: int, body: dict) -> Call:
-    wall, doc = post(port, body)
+    wall, doc = messages(port, body)
     cache = doc["barrel"]["cache"]
     return Call(wall, cache["restored_tokens"] + cache["prefilled_tokens"], cache["prefilled_tokens"],
                 doc["barrel"]["timings_ms"])
 
 
 def llama_call(port: int, body: dict) -> Call:
-    wall, doc = post(port, body)
+    wall, doc = messages(port, body)
     usage = doc["usage"]
     return Call(wall, usage["input_tokens"] + usage.get("cache_read_input_tokens", 0), usage["input_tokens"])
 
@@ -253,17 +256,8 @@ class Renderer:
 
 def same_prompt_call(port: int, prompt: str) -> Call:
     """barreld's prompt, as text, to llama-server's /completion: its own count of tokens cached and prefilled."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    t0 = time.perf_counter()
-    conn.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 1, "cache_prompt": True,
-                                                     "temperature": 0}), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    raw = resp.read()
-    wall = time.perf_counter() - t0
-    conn.close()
-    if resp.status != 200:
-        raise RuntimeError(f"/completion answered {resp.status}: {raw[:300]!r}")
-    timings = json.loads(raw)["timings"]
+    wall, doc = post(port, "/completion", {"prompt": prompt, "n_predict": 1, "cache_prompt": True, "temperature": 0})
+    timings = doc["timings"]
     return Call(wall, timings["cache_n"] + timings["prompt_n"], timings["prompt_n"])
 
 
