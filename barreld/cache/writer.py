@@ -47,19 +47,24 @@ class WriterPool:
         return fut
 
     def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                fut, job = self._jobs.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
+        while self._run_next():
+            pass
+
+    def _run_next(self) -> bool:
+        """Runs the next job; False once closed with none left. Its references (a save's checkpoint, tens of
+        megabytes of state) go with this frame, rather than staying held while the thread waits for another."""
+        with self._cond:
+            while not self._jobs and not self._closed:
+                self._cond.wait()
+            if not self._jobs:
+                return False
+            fut, job = self._jobs.popleft()
+        if fut.set_running_or_notify_cancel():
             try:
                 fut.set_result(job())
             except BaseException as e:
                 fut.set_exception(e)
+        return True
 
     def close(self) -> None:
         """Stop taking jobs, finish every queued one, and join the threads."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 
@@ -51,3 +52,21 @@ def test_close_finishes_queued_jobs_and_errors_reach_the_future() -> None:
         bad.result()
     with pytest.raises(RuntimeError):
         pool.submit(lambda: None)
+
+
+def test_an_idle_writer_holds_nothing_of_its_last_job() -> None:
+    """A save's job holds its checkpoint (tens of megabytes of state); once done, the thread waiting for the next
+    job must not keep it, or the state's buffer is never read into again (StateBuffers) nor freed."""
+
+    class State:
+        pass
+
+    pool = WriterPool(threads=1, queue_size=2)
+    state = State()
+    gone = threading.Event()
+    weakref.finalize(state, gone.set)
+    done = pool.submit(lambda held=state: held is not None)
+    assert done.result(10) is True
+    del state, done
+    assert gone.wait(10)
+    pool.close()
