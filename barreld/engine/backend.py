@@ -99,7 +99,9 @@ class Backend(Protocol):
     def seq_pos_range(self, seq: int) -> tuple[int, int]:
         """The smallest and largest position the sequence's memory reports holding; (-1, -1) when empty."""
 
-    def state_get(self, seq: int) -> bytearray: ...
+    def state_get(self, seq: int) -> bytearray:
+        """A copy of the sequence's state, the caller's to keep: a backend may fill the same buffer again only
+        once nothing refers to it (StateBuffers)."""
 
     def state_set(self, seq: int, data: memoryview) -> None: ...
 

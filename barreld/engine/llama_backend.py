@@ -19,6 +19,7 @@ import numpy as np
 
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError, resolve_flash_attn
 from barreld.engine.memory import memory_kind
+from barreld.engine.state_buffers import StateBuffers
 from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class LlamaBackend:
         self.swa_full = bool(settings.swa_full) and self.swa_window > 0
         self.ring = self.swa_window > 0 and not self.swa_full
         self._window_buf = bytearray()
+        self._state_buffers = StateBuffers()
         self.mrope = L.llama_model_rope_type(m) in (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
         # llama.cpp offloads the repeating layers and the output layer: n_layer + 1 in all.
         offloadable = L.llama_model_n_layer(m) + 1 if L.llama_supports_gpu_offload() else 0
@@ -260,7 +262,7 @@ class LlamaBackend:
 
     def state_get(self, seq: int) -> bytearray:
         size = self._L.llama_state_seq_get_size(self._ctx, seq)
-        out = bytearray(size)
+        out = self._state_buffers.take(size)
         dst = (ctypes.c_uint8 * size).from_buffer(out)
         got = self._L.llama_state_seq_get_data(self._ctx, dst, size, seq)
         del dst
