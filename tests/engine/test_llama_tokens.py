@@ -1,15 +1,19 @@
 """LlamaBackend keeps the tokens of recent prompts: the same bytes tokenise the same, so a prompt sent again
-(an exact hit is one) skips llama.cpp's tokenizer."""
+(an exact hit is one) skips llama.cpp's tokenizer, and one that extends a kept prompt tokenises only its new part."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from barreld.engine import llama_backend
 from barreld.engine.backend import ContextSettings
 from barreld.engine.registry import bundled_model_path
+from barreld.engine.token_prefix import Specials, common_prefix
 
 pytestmark = pytest.mark.model
 
@@ -45,3 +49,88 @@ def test_the_kept_tokens_are_bounded(be, monkeypatch: pytest.MonkeyPatch) -> Non
     assert texts[-1] in be._tokenized and texts[0] not in be._tokenized
     long = b"word " * 40  # more than a quarter of the bound: not kept at all
     assert be.tokenize(long) == be._tokenize(long, True) and long not in be._tokenized
+
+
+# ---- a prompt that extends a kept one (token_prefix) ------------------------------------------------------
+
+GEMMA_PIECES = [b"<start_of_turn>", b"<end_of_turn>", b"<bos>", b"\n", b"\n\n", b"\n\n\n", b"  ", b"    ", b"<b>",
+                b"</b>", b"<start_of", b"turn>", b"<end_of_turn", b"<", b">", b"user", b"model"]
+SMOLLM2_PIECES = [b"<|im_start|>", b"<|im_end|>", b"<|endoftext|>", b"<|im_start", b"|>", b"<|", b"\n", b"\n\n",
+                  b"system", b"assistant"]
+PLAIN_PIECES = [b"The ", b"river ", b"was", b" wide", b" and", b"  cold", b".", b",", b"\t", b" ", b"\xc3\xa9t\xc3\xa9",
+                b"\xe4\xb8\xad\xe6\x96\x87", b"\xf0\x9f\x8c\x8a", b"\xff", b"{\"name\": \"Bash\"}", b"123", b"'s"]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from tests.support.sandbox_models import gemma_path
+
+    backend = llama_backend.LlamaBackend(gemma_path(), ContextSettings(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+    yield backend
+    backend.close()
+
+
+def _texts(pieces: list[bytes]) -> st.SearchStrategy[bytes]:
+    return st.lists(st.sampled_from(pieces + PLAIN_PIECES), max_size=40).map(b"".join)
+
+
+def _extensions(backend, pieces: list[bytes]) -> None:
+    """Each example: a kept prompt, then one that shares some of it and goes on; the tokens must be llama.cpp's
+    own for the whole text, whether or not the kept ones were used."""
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(head=_texts(pieces), kept_tail=_texts(pieces), tail=_texts(pieces), cut=st.integers(0, 12))
+    def check(head: bytes, kept_tail: bytes, tail: bytes, cut: int) -> None:
+        kept = head + kept_tail
+        text = kept[: max(len(head), len(kept) - cut)] + tail
+        assert backend.tokenize(kept) == backend._tokenize(kept, True)
+        assert backend.tokenize(text) == backend._tokenize(text, True)
+
+    check()
+
+
+@pytest.mark.parametrize("model", ["gemma", "smollm2"])
+def test_a_prompt_extending_a_kept_one_tokenises_as_llama_cpp_does_whole(model: str, request, monkeypatch) -> None:
+    backend = request.getfixturevalue("gemma" if model == "gemma" else "be")
+    pieces = GEMMA_PIECES if model == "gemma" else SMOLLM2_PIECES
+    used = []
+    real = llama_backend.extend
+
+    def counted(*args: object) -> list[int] | None:
+        tokens = real(*args)
+        used.append(tokens is not None)
+        return tokens
+
+    monkeypatch.setattr(llama_backend, "extend", counted)
+    _extensions(backend, pieces)
+    assert sum(used) > len(used) // 4, f"kept tokens used in {sum(used)} of {len(used)} extensions"
+
+
+def test_an_agent_session_tokenises_each_call_from_the_one_before(gemma) -> None:
+    """A real Claude Code session's prompts, as barreld renders them: every call after the first extends the
+    one before, and its tokens are llama.cpp's own for the whole text."""
+    from bench.claude_session import SESSION, Renderer
+    from tests.unit.test_tool_formats import dialogue_template
+
+    renderer = Renderer(dialogue_template(), gemma.bos_text, gemma.eos_text)
+    prompts = [renderer.prompt(body).encode() for body in json.loads(SESSION.read_text())["requests"]]
+    tokenised = [gemma.tokenize(p) for p in prompts]
+    assert tokenised == [gemma._tokenize(p, True) for p in prompts]
+    assert all(gemma._extended(p, [(q, tuple(t))]) is not None
+               for q, t, p in zip(prompts[:-1], tokenised[:-1], prompts[1:], strict=True))
+
+
+def test_a_vocabulary_whose_special_tokens_strip_whitespace_is_not_cut() -> None:
+    assert Specials.of([(1, b"<|end|>", True), (2, b"<s>", False)]) is None
+    specials = Specials.of([(1, b"<|end|>", False), (2, b"\n", False), (3, b"\xe2\x96\x81", False)])
+    assert specials is not None and set(specials.cuts) == {b"<|end|>", b"\n"}
+
+
+def test_a_cut_is_refused_where_a_special_text_lies_across_it_or_its_token_start() -> None:
+    specials = Specials.of([(1, b"<|end|>", False), (2, b"|>x", False), (3, b"d|", False), (4, b"\n", False)])
+    assert specials is not None
+    assert specials.matched_before(b"a<|end|>b", b"a<|end|>c", 8) == 1
+    assert specials.matched_before(b"a<|end|>b", b"a<|end|>x", 8) is None  # "|>x" across the end
+    assert specials.matched_before(b"a<|end|>\n", b"a<|end|>\n", 9) == 4
+    assert specials.matched_before(b"ab\n", b"ab\n", 2) is None  # "b" is not special
+    assert common_prefix(b"abcdef", b"abcxyz") == 3 and common_prefix(b"abc", b"abcd") == 3
