@@ -47,3 +47,11 @@ def test_only_the_latest_buffers_are_kept() -> None:
     del held
     fresh = [pool.take(16) for _ in range(3)]
     assert len({id(b) for b in fresh}) == 3
+
+
+def test_no_more_than_the_byte_budget_is_kept() -> None:
+    pool = StateBuffers(kept=3, kept_bytes=100)
+    large = pool.take(150)
+    assert not any(b is large for b in pool._buffers)  # beyond the budget alone: never kept
+    held = [pool.take(40) for _ in range(3)]
+    assert [id(b) for b in pool._buffers] == [id(b) for b in held[1:]]  # 120 bytes: the oldest let go
