@@ -15,7 +15,8 @@ beside it, and the vocabulary adds nothing at the end of a text (an EOS or SEP),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 TRIED_CUTS = 4
@@ -28,20 +29,21 @@ class Specials:
 
     texts: frozenset[bytes]
     lengths: tuple[int, ...]  # their distinct lengths above one, longest first: only those can lie across a cut
-    cuts: dict[bytes, int]  # a special token's text -> its id, where the text ends in an ASCII byte
+    cuts: dict[bytes, int]  # a special token's text -> its id, where a text may be cut after it
 
     @classmethod
     def of(cls, tokens: Iterable[tuple[int, bytes, bool]]) -> Specials | None:
-        """From each special token's (id, text, strips whitespace beside it); None when a token strips
-        whitespace, which can join the pieces either side of a cut."""
-        texts, cuts = set(), {}
-        for token, text, strips in tokens:
-            if strips:
-                return None
-            texts.add(text)
-            if text and text[-1] < 0x80:  # not the middle of a UTF-8 sequence the tokenizer reads whole
-                cuts[text] = token
-        return cls(frozenset(texts), tuple(sorted({len(t) for t in texts if len(t) > 1}, reverse=True)), cuts)
+        """From each special token's (id, text, whether a cut beside it is not shown exact: the token strips
+        the whitespace beside it, which can join the pieces either side of a cut, or its text is not known in
+        full); None when any is. A text may be cut after a special text that is whole UTF-8 (so the byte
+        after it starts a character) and belongs to one token (of two with one text, llama.cpp may match either)."""
+        found = list(tokens)
+        if any(unsure for _, _, unsure in found):
+            return None
+        texts = frozenset(text for _, text, _ in found)
+        shared = Counter(text for _, text, _ in found)
+        cuts = {text: token for token, text, _ in found if text and shared[text] == 1 and _whole_utf8(text)}
+        return cls(texts, tuple(sorted({len(t) for t in texts if len(t) > 1}, reverse=True)), cuts)
 
     def crossed(self, text: bytes, at: int) -> bool:
         """Whether some special token's text occurs in `text` across byte `at`."""
@@ -79,15 +81,18 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return lo
 
 
-def extend(kept_text: bytes, kept_tokens: tuple[int, ...], text: bytes, specials: Specials,
+def extend(kept_text: bytes, kept_tokens: Sequence[int], text: bytes, specials: Specials,
            tail: Callable[[bytes], list[int]]) -> list[int] | None:
     """The tokens of `text` from those of `kept_text`, with `tail` tokenising text that follows a special token
-    (no BOS or other added tokens); None where no cut they share is shown safe."""
+    (no BOS or other added tokens); None where no cut they share is shown safe, or where checking one against
+    the kept tokens (tokenising what follows it in the kept text) would cost more than it saves."""
     shared = common_prefix(kept_text, text)
     held = set(kept_tokens)
     cuts = [t for t, token in specials.cuts.items() if token in held]
     ends = sorted({i + len(t) for t in cuts for i in _last_occurrences(text, t, shared)}, reverse=True)
     for e in ends[:TRIED_CUTS]:
+        if len(kept_text) - e > e:
+            break
         token = specials.matched_before(kept_text, text, e)
         if token is None:
             continue
@@ -97,6 +102,14 @@ def extend(kept_text: bytes, kept_tokens: tuple[int, ...], text: bytes, specials
             continue
         return [*kept_tokens[:j], *tail(text[e:])]
     return None
+
+
+def _whole_utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _last_occurrences(text: bytes, needle: bytes, end: int, count: int = TRIED_CUTS) -> list[int]:
