@@ -54,14 +54,15 @@ def divergence(rendered: bytes, offsets: list[int], texts: Iterable[Labelled]) -
 
 
 def common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:
-    """Bytes `a` and `b` share from the start, by halving: each step one comparison in C over views (no
-    copies: it runs on the model's thread), not a Python loop."""
+    """Bytes `a` and `b` share from the start, by halving: each step one comparison of two slices in C. Slices
+    copy (microseconds for a 55 KB prompt), where a comparison of memoryviews goes item by item: 2 ms a call."""
     low, high = 0, min(len(a), len(b))
-    with memoryview(a) as va, memoryview(b) as vb:  # released at once: a live bytearray must stay resizable
-        while low < high:
-            mid = (low + high + 1) // 2
-            if va[:mid] == vb[:mid]:
-                low = mid
-            else:
-                high = mid - 1
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # a[:low] == b[:low] and a[:high + 1] != b[:high + 1]
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
     return low

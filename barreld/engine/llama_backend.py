@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError, resolve_flash_attn
+from barreld.engine.divergence import common_prefix
 from barreld.engine.memory import memory_kind
 from barreld.engine.state_buffers import StateBuffers
-from barreld.engine.token_prefix import Specials, common_prefix, extend
+from barreld.engine.token_prefix import Specials, extend
 from barreld.names import KV_CACHE_TYPES, PLAIN_KV_TYPES
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from barreld.engine.divergence import common_prefix
+
 TRIED_CUTS = 4
 """Cuts tried before giving up on a kept prompt: each costs one search through the shared text."""
 
@@ -65,20 +67,6 @@ class Specials:
         if any(self.crossed(t, at) for t in (kept, text) for at in (start, e)):
             return None
         return self.cuts[found]
-
-
-def common_prefix(a: bytes, b: bytes) -> int:
-    """The length of the longest common prefix of a and b."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def extend(kept_text: bytes, kept_tokens: Sequence[int], text: bytes, specials: Specials,

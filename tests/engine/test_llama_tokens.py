@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from barreld.engine import llama_backend
 from barreld.engine.backend import ContextSettings
 from barreld.engine.registry import bundled_model_path
-from barreld.engine.token_prefix import Specials, common_prefix, extend
+from barreld.engine.token_prefix import Specials, extend
 
 pytestmark = pytest.mark.model
 
@@ -152,4 +152,3 @@ def test_a_cut_is_refused_where_a_special_text_lies_across_it_or_its_token_start
     assert specials.matched_before(b"a<|end|>b", b"a<|end|>x", 8) is None  # "|>x" across the end
     assert specials.matched_before(b"a<|end|>\n", b"a<|end|>\n", 9) == 4
     assert specials.matched_before(b"ab\n", b"ab\n", 2) is None  # "b" is not special
-    assert common_prefix(b"abcdef", b"abcxyz") == 3 and common_prefix(b"abc", b"abcd") == 3
