@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from barreld.engine.backend import BackendError, BatchItem, ContextSettings, ModelLoadError, resolve_flash_attn
-from barreld.engine.divergence import common_prefix
 from barreld.engine.memory import memory_kind
 from barreld.engine.state_buffers import StateBuffers
 from barreld.engine.token_prefix import Specials, extend
@@ -117,7 +116,7 @@ class LlamaBackend:
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(512)
         self._pieces: dict[int, bytes] = {}
-        self._tokenized: OrderedDict[bytes, array] = OrderedDict()
+        self._tokenized: OrderedDict[tuple[bytes, bytes], array] = OrderedDict()  # (scope, text) -> tokens
         self._tokenized_count = 0
         self._tokenized_lock = threading.Lock()  # count_tokens tokenises on server threads
         self._specials = self._find_specials()
@@ -174,18 +173,22 @@ class LlamaBackend:
         n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.raw[:n].decode("utf-8", "replace") if n >= 0 else None
 
-    def tokenize(self, data: bytes) -> list[int]:
+    def tokenize(self, data: bytes, scope: bytes = b"") -> list[int]:
         """Special tokens in the text are parsed, so a rendered chat template round-trips exactly. The tokens
-        of the latest prompts (TOKENIZED_MEMO_TOKENS in all) are kept: the same bytes tokenise the same, and
-        a prompt that extends a kept one tokenises only what follows the last special token they share."""
-        key = bytes(data)
+        of the latest prompts (TOKENIZED_MEMO_TOKENS in all) are kept by scope, a tenant's namespace digest: the
+        same bytes tokenise the same, and a prompt that extends a kept one of its scope tokenises only what
+        follows the last special token they share. How fast a prompt tokenises never depends on another
+        tenant's prompts."""
+        key = (scope, bytes(data))
         with self._tokenized_lock:
             kept = self._tokenized.get(key)
             if kept is not None:
                 self._tokenized.move_to_end(key)
                 return list(kept)
-            latest = list(islice(reversed(self._tokenized.items()), EXTENDED_CANDIDATES))
-        tokens = self._extended(key, latest) or self._tokenize(key, True)
+            latest = list(islice(((text, tokens) for (owner, text), tokens in reversed(self._tokenized.items())
+                                  if owner == scope), EXTENDED_CANDIDATES))
+        extended = extend(latest, key[1], self._specials, self.tokenize_tail) if self._specials else None
+        tokens = extended or self._tokenize(key[1], True)
         if len(tokens) <= TOKENIZED_MEMO_TOKENS // 4:
             with self._tokenized_lock:
                 if key not in self._tokenized:
@@ -194,14 +197,6 @@ class LlamaBackend:
                 while self._tokenized_count > TOKENIZED_MEMO_TOKENS:
                     self._tokenized_count -= len(self._tokenized.popitem(last=False)[1])
         return tokens
-
-    def _extended(self, data: bytes, kept: list[tuple[bytes, array]]) -> list[int] | None:
-        """The tokens of data from the kept prompt it shares most with (the latest of those that share as much),
-        where token_prefix shows that exact."""
-        if self._specials is None or not kept:
-            return None
-        text, tokens = max(kept, key=lambda item: common_prefix(item[0], data))
-        return extend(text, tokens, data, self._specials, self.tokenize_tail)
 
     def _find_specials(self) -> Specials | None:
         """The vocabulary's special tokens as token_prefix needs them, found at load (113 ms over Gemma 3's

@@ -69,12 +69,15 @@ class Specials:
         return self.cuts[found]
 
 
-def extend(kept_text: bytes, kept_tokens: Sequence[int], text: bytes, specials: Specials,
+def extend(kept: Sequence[tuple[bytes, Sequence[int]]], text: bytes, specials: Specials,
            tail: Callable[[bytes], list[int]]) -> list[int] | None:
-    """The tokens of `text` from those of `kept_text`, with `tail` tokenising text that follows a special token
-    (no BOS or other added tokens); None where no cut they share is shown safe, or where checking one against
-    the kept tokens (tokenising what follows it in the kept text) would cost more than it saves."""
-    shared = common_prefix(kept_text, text)
+    """The tokens of `text` from those of the kept (text, tokens) that shares the longest start with it (the
+    first of those sharing as much), with `tail` tokenising text that follows a special token (no BOS or other
+    added tokens); None where no cut they share is shown safe, or where checking one against the kept tokens
+    (tokenising what follows it in the kept text) would cost more than it saves."""
+    if not kept:
+        return None
+    shared, kept_text, kept_tokens = max(((common_prefix(t, text), t, k) for t, k in kept), key=lambda c: c[0])
     held = set(kept_tokens)
     cuts = [t for t, token in specials.cuts.items() if token in held]
     ends = sorted({i + len(t) for t in cuts for i in _last_occurrences(text, t, shared)}, reverse=True)

@@ -276,7 +276,7 @@ class ModelWorker:
 
     def _prompt(self, p: CompletionParams) -> tuple[list[int], bytes, list[int]]:
         """The prompt's tokens, the bytes they render to, and each token prefix's length in bytes."""
-        tokens = self.backend.tokenize(p.prompt)
+        tokens = self.backend.tokenize(p.prompt, p.namespace.digest)
         if not tokens:
             raise InvalidArgument("the prompt is empty; pass some text")
         self._check_fits(len(tokens))
@@ -303,7 +303,7 @@ class ModelWorker:
     def count_tokens(self, params: CompletionParams) -> int:
         """The prompt's length in tokens, as a request with these parameters would have it; reads only the
         vocabulary, so it runs on the caller's thread beside the model's."""
-        return len(self.backend.tokenize(self.render(params)))
+        return len(self.backend.tokenize(self.render(params), params.namespace.digest))
 
     def _tool_sampling(self, p: CompletionParams, rendering: chat.Rendering) -> SamplingParams:
         """The request's sampling, with a forced tool call's grammar written in the bytes the template writes
@@ -515,7 +515,7 @@ class ModelWorker:
             reply, held = req.params.prompt + req.scanner.text, bytes(seq.rendered)
             # Still this reply, with at most its end-of-generation token or the next turn's opening after it.
             if seq.idle and held.startswith(reply) and len(held) <= len(reply) + len(req.params.opening) + 64:
-                old, tokens = len(seq.tokens), self.backend.tokenize(text)
+                old, tokens = len(seq.tokens), self.backend.tokenize(text, req.params.namespace.digest)
                 at = seq.take(tokens, self.backend.piece, text) if len(tokens) < self.backend.n_ctx else None
                 if at is not None and at < old:  # not only text added: some of the reply's tokens replaced
                     self.cache.count("next_forms", 1)

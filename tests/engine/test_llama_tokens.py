@@ -46,9 +46,9 @@ def test_the_kept_tokens_are_bounded(be, monkeypatch: pytest.MonkeyPatch) -> Non
         assert be.tokenize(t) == be._tokenize(t, True)
     assert 0 < be._tokenized_count <= 64
     assert be._tokenized_count == sum(len(v) for v in be._tokenized.values())
-    assert texts[-1] in be._tokenized and texts[0] not in be._tokenized
+    assert (b"", texts[-1]) in be._tokenized and (b"", texts[0]) not in be._tokenized
     long = b"word " * 40  # more than a quarter of the bound: not kept at all
-    assert be.tokenize(long) == be._tokenize(long, True) and long not in be._tokenized
+    assert be.tokenize(long) == be._tokenize(long, True) and (b"", long) not in be._tokenized
 
 
 # ---- a prompt that extends a kept one (token_prefix) ------------------------------------------------------
@@ -116,8 +116,28 @@ def test_an_agent_session_tokenises_each_call_from_the_one_before(gemma) -> None
     prompts = [renderer.prompt(body).encode() for body in json.loads(SESSION.read_text())["requests"]]
     tokenised = [gemma.tokenize(p) for p in prompts]
     assert tokenised == [gemma._tokenize(p, True) for p in prompts]
-    assert all(gemma._extended(p, [(q, tuple(t))]) is not None
+    assert all(extend([(q, t)], p, gemma._specials, gemma.tokenize_tail) is not None
                for q, t, p in zip(prompts[:-1], tokenised[:-1], prompts[1:], strict=True))
+
+
+def test_a_tenant_s_prompt_is_never_tokenised_from_another_tenant_s(be, monkeypatch: pytest.MonkeyPatch) -> None:
+    """How fast a prompt tokenises must not tell one tenant whether another sent a text like it: the kept
+    prompts a new one is compared with, and the exact ones it may hit, are its own tenant's only."""
+    alice = b"<|im_start|>system\nThe door code is 4711.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+    guess = alice + b"<|im_start|>assistant\nhi<|im_end|>\n"
+    seen: list[list[bytes]] = []
+    real = llama_backend.extend
+
+    def spy(kept, *args: object) -> list[int] | None:
+        seen.append([text for text, _ in kept])
+        return real(kept, *args)
+
+    monkeypatch.setattr(llama_backend, "extend", spy)
+    be.tokenize(alice, b"alice")
+    assert be.tokenize(guess, b"bob") == be._tokenize(guess, True) and alice not in seen[-1]
+    assert be.tokenize(alice, b"bob") == be._tokenize(alice, True) and alice not in seen[-1]  # not her memo hit
+    more = guess + b"<|im_start|>user\nmore"
+    assert be.tokenize(more, b"alice") == be._tokenize(more, True) and alice in seen[-1]
 
 
 def test_a_vocabulary_whose_special_tokens_strip_whitespace_is_not_cut() -> None:
@@ -136,10 +156,10 @@ def test_a_cut_is_not_checked_where_the_kept_text_after_it_outweighs_the_saving(
         return [ord(c) for c in text.decode()]
 
     kept = b"<s>" + b"x" * 100
-    assert extend(kept, [1, *range(100)], b"<s>new", specials, tail) is None and tails == []
+    assert extend([(kept, [1, *range(100)])], b"<s>new", specials, tail) is None and tails == []
     kept = b"<s>" + b"a" * 50 + b"<|end|>" + b"b" * 10
     tokens = [1, *[ord("a")] * 50, 2, *[ord("b")] * 10]
-    assert extend(kept, tokens, kept[:60] + b"c", specials, tail) == [*tokens[:52], ord("c")]
+    assert extend([(kept, tokens)], kept[:60] + b"c", specials, tail) == [*tokens[:52], ord("c")]
     assert tails == [b"b" * 10, b"c"]
 
 

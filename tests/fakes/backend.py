@@ -152,7 +152,7 @@ class FakeBackend:
 
     # ---- tokens ---------------------------------------------------------------------------
 
-    def tokenize(self, data: bytes) -> list[int]:
+    def tokenize(self, data: bytes, scope: bytes = b"") -> list[int]:
         return tokenize(data, bos=True)
 
     def tokenize_tail(self, data: bytes) -> list[int]:
