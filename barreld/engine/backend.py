@@ -94,6 +94,9 @@ class Backend(Protocol):
     def logits(self, index: int) -> np.ndarray:
         """A copy of the logits of batch position `index` of the last decode."""
 
+    def row(self, index: int) -> np.ndarray:
+        """The same logits read in place, with no copy: valid only until the next decode."""
+
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None: ...
 
     def seq_pos_range(self, seq: int) -> tuple[int, int]:

@@ -112,10 +112,12 @@ class LlamaBackend:
         self.n_batch = settings.n_batch
         self.n_seq_max = settings.n_seq_max
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self._row_type = ctypes.c_float * self.n_vocab  # made once: numpy's as_array builds one a call
         self.ftype = L.llama_model_ftype(self._model)
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(512)
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}  # asked once a token decoded: kept, as the pieces are
         self._tokenized: OrderedDict[tuple[bytes, bytes], array] = OrderedDict()  # (scope, text) -> tokens
         self._tokenized_count = 0
         self._tokenized_lock = threading.Lock()  # count_tokens tokenises on server threads
@@ -247,7 +249,10 @@ class LlamaBackend:
         return cached
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._L.llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(self._L.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     def decode(self, items: list[BatchItem]) -> None:
         if not items or len(items) > self.n_batch:
@@ -281,10 +286,13 @@ class LlamaBackend:
             raise BackendError(f"could not put the sliding window of sequence {seq} back in order")
 
     def logits(self, index: int) -> np.ndarray:
+        return self.row(index).copy()
+
+    def row(self, index: int) -> np.ndarray:
         ptr = self._L.llama_get_logits_ith(self._ctx, index)
         if not ptr:
             raise BackendError(f"no logits for batch position {index}")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
         if not self._L.llama_memory_seq_rm(self._mem, seq, p0, p1):

@@ -99,7 +99,8 @@ class Slot:
 @dataclass
 class DecodeBatch:
     """One tick's batch, and where the logits each slot needs will be: (slot index, batch index) pairs.
-    `calls` are the [start, stop) ranges of `items` that go to llama.cpp in one call each. `waiting` says a
+    `calls` are the [start, stop) ranges of `items` that go to llama.cpp in one call each, the sampling steps
+    all in the last (the worker reads their logits in place, after every call). `waiting` says a
     prefill chunk did not fit beside the sampling steps."""
 
     items: list[BatchItem] = field(default_factory=list)

@@ -30,7 +30,6 @@ import numpy as np
 
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError, BatchItem
-from barreld.engine.chat import Message
 from barreld.engine.divergence import LIVE, divergence
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import ModelCache
@@ -290,7 +289,7 @@ class ModelWorker:
     def _rendered(self, p: CompletionParams, shape: bool = True) -> chat.Rendering:
         """`render`, and what this model's cache uses of a conversation's shape: where its messages end (where
         a memory that cannot be cut snapshots), the opening of a next turn, and a forced call's layout."""
-        messages = p.messages or ((Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
+        messages = p.messages or ((chat.Message("user", p.prompt.decode("utf-8", "replace")),) if p.chat else ())
         if not messages:
             return chat.Rendering(p.prompt)
         be, conversation = self.backend, shape and bool(p.messages)
@@ -338,13 +337,14 @@ class ModelWorker:
                            memory.min_batch, memory.spans)
         if not batch.items:
             return batch.waiting
-        wanted = sorted(idx for _, idx in (*batch.prefills, *batch.samples))
         logits: dict[int, np.ndarray] = {}
         try:
             for start, stop in batch.calls:
                 self.backend.decode(batch.items[start:stop])
-                # Copy the logits rows now: the next call, or a decode in this tick's callbacks, overwrites them.
-                logits |= {idx: self.backend.logits(idx - start) for idx in wanted if start <= idx < stop}
+                logits |= {i: self.backend.logits(i - start) for _, i in batch.prefills if start <= i < stop}
+            # Prefill rows are copies (the next call overwrites them; a sequence keeps them); the sampling
+            # steps, all in the last call, are read in place and taken before anything decodes again.
+            rows = [self.backend.row(i - start) for _, i in batch.samples]
         except BackendError as exc:
             log.error("decode failed: %s", exc)
             for req in active:
@@ -352,8 +352,8 @@ class ModelWorker:
             return False
         for i, idx in batch.prefills:
             self._prefilled(active[i], batch.items[idx].pos + 1, logits[idx])
-        for i, idx in batch.samples:
-            self._sampled(active[i], logits[idx])
+        for (i, _), row in zip(batch.samples, rows, strict=True):
+            self._sampled(active[i], row)
         return batch.waiting
 
     def _prefilled(self, req: Request, end: int, logits: np.ndarray) -> None:

@@ -60,6 +60,16 @@ def test_logits_are_a_function_of_the_token_history(be: Backend) -> None:
     assert not np.array_equal(prefill(be, 1, other), first)
 
 
+def test_a_row_read_in_place_holds_the_logits_a_copy_holds_until_the_next_decode(be: Backend) -> None:
+    prompt = be.tokenize(TEXT)
+    be.decode([BatchItem(t, i, 0, True) for i, t in enumerate(prompt)])
+    copies = [be.logits(i) for i in range(len(prompt))]
+    assert all(np.array_equal(be.row(i), c) for i, c in enumerate(copies))
+    assert not np.array_equal(copies[0], copies[-1])
+    with pytest.raises(BackendError):
+        be.row(len(prompt))
+
+
 def test_a_prefill_split_into_batches_of_two_or_more_matches_one_batch(be: Backend) -> None:
     prompt = be.tokenize(TEXT)
     whole = prefill(be, 0, prompt)

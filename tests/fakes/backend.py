@@ -218,6 +218,9 @@ class FakeBackend:
             raise BackendError(f"no logits for batch position {index}")
         return row.copy()
 
+    def row(self, index: int) -> np.ndarray:
+        return self.logits(index)
+
     # ---- sequence state -------------------------------------------------------------------
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
