@@ -9,9 +9,11 @@ that hangs up, streaming or not, cancels its request: the worker stops generatin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import os
 import threading
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -78,6 +80,61 @@ async def _sse(events: Events, stream: Stream, ev: ReplyEvent) -> AsyncIterator[
         events.cancel()
 
 
+class Mailbox:
+    """Items from other threads for one event loop's queues, with one wake of the loop for all that arrive
+    before it runs: a worker decoding four streams posts four tokens a step, while it holds the GIL that the
+    loop would need to take them, so one wake carries the step, not four. The wake is a byte on a pipe of its
+    own: a write to a pipe costs the worker a third of what `call_soon_threadsafe`'s send on the loop's socket
+    pair does (20 against 60 microseconds here), and comes once a token while one stream decodes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._lock = threading.Lock()
+        self._items: deque[tuple[asyncio.Queue[Outcome], Outcome]] = deque()
+        self._woken = False
+        self._closed = False
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        loop.add_reader(self._read, self._deliver)
+        weakref.finalize(loop, self.close)
+
+    def post(self, queue: asyncio.Queue[Outcome], item: Outcome) -> None:
+        """Queues `item` on `queue` in the loop; dropped once the loop is gone (barreld is stopping)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._items.append((queue, item))
+            if not self._woken:
+                self._woken = True
+                os.write(self._write, b"\0")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._read)
+                os.close(self._write)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+            self._woken = False
+            if not self._closed:
+                os.read(self._read, 64)
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
+def mailbox() -> Mailbox:
+    """The running loop's mailbox (made on the loop's own thread, so once)."""
+    loop = asyncio.get_running_loop()
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = Mailbox(loop)
+    return box
+
+
 class Events:
     """One call's events, handed by the model's worker straight to the event loop.
 
@@ -87,7 +144,7 @@ class Events:
     """
 
     def __init__(self, start: Callable[[Deliver], Call]) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._mailbox = mailbox()
         self._queue: asyncio.Queue[Outcome] = asyncio.Queue()
         self._call: Call | None = None
         self._cancelled = False
@@ -115,11 +172,9 @@ class Events:
             self._call.cancel()
 
     def _hand(self, call: Call | None, item: Outcome) -> None:
-        """Queues `item` for the event loop, unless the loop has closed (barreld is stopping)."""
         if call is not None:
             self._call = call  # before the item: whoever reads it may ask for the model
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._mailbox.post(self._queue, item)
 
     async def next(self) -> ReplyEvent:
         item = await self._queue.get()
