@@ -1,6 +1,6 @@
 """Decode speed against llama-server, side by side in one run, and what OpenMP's wait policy does to it.
 
-    python -m bench.decode [--rounds 5] [--tokens 200] [--results bench/RESULTS.md]
+    python -m bench.decode [--rounds 7] [--tokens 200] [--results bench/RESULTS.md]
 
 Writes (or replaces) the section "decode" of the results file. Progress goes to stderr.
 
@@ -13,12 +13,13 @@ GOMP_SPINCOUNT). One stream: each server in turn answers one request, `--rounds`
 is the reply's tokens over the time from its first token to its last. Four streams: servers with four sequences
 (`n_seq_max 4`; llama-server `-np 4`) answer four requests sent at once, tokens/s is all their tokens over the wall
 time from the first request to the last token. Before each measurement every barreld is let go quiet (it settles its
-replies while idle, which would slow whichever server came next). Then each barreld's CPU time over 3 s of idling.
-Then the floor, what the decode alone gives without any server (bench.decode_floor, a child process: barreld's
-backend in a loop, greedy by argmax), with flash attention on, as barreld runs SmolLM2 by default (full attention)
-and llama-server resolves its `auto` here, and off. A barreld row over its floor row is the part of
-a token that Python around the decode costs (the worker, sampling, the HTTP framing). Medians over the rounds;
-ratios are over llama-server's.
+replies while idle, which would slow whichever server came next). Each round then measures the floor, what the
+decode alone gives without any server (bench.decode_floor, a child process: barreld's backend in a loop, greedy by
+argmax), with flash attention on, as barreld runs SmolLM2 by default (full attention) and llama-server resolves its
+`auto` here, and off. A barreld row over its floor row is the part of a token that Python around the decode costs
+(the worker, sampling, the HTTP framing). Then each barreld's CPU time over 3 s of idling. Rates are medians over
+the rounds; a ratio is the median of each round's ratio to llama-server's figure of the same round, which the
+machine's drift (a fifth over minutes here) moves far less than a ratio of medians taken minutes apart.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def measure(rounds: int, tokens: int) -> dict[str, Side]:
                 rate_one(port, 8, 0)  # warm up
             order = list(sides)
             pids = [d.proc.pid for d in (default1, passive1, default4, passive4)]
+            for name in FLOORS:
+                sides[name] = Side(name, 0)
             for r in range(rounds):
                 progress(f"round {r + 1}/{rounds}")
                 for name in order[r % 3:] + order[: r % 3]:
@@ -132,12 +135,10 @@ def measure(rounds: int, tokens: int) -> dict[str, Side]:
                     sides[name].one.append(rate_one(sides[name].port, tokens, r))
                     quiet(pids)
                     sides[name].four.append(rate_four(fours[name], tokens, r))
-            for r in range(rounds):
-                progress(f"llama.cpp alone, round {r + 1}/{rounds}")
                 for name, flags in FLOORS.items():
                     quiet(pids)
                     one, four = floor(tokens, flags)
-                    sides.setdefault(name, Side(name, 0)).one.append(one)
+                    sides[name].one.append(one)
                     sides[name].four.append(four)
             for name in (DEFAULT, PASSIVE):
                 time.sleep(2.0)
@@ -150,6 +151,11 @@ def measure(rounds: int, tokens: int) -> dict[str, Side]:
     return sides
 
 
+def per_round(rates: list[float], llama: list[float]) -> str:
+    """The median over rounds of rates[r] / llama[r], as '0.97x'."""
+    return ratio(median([a / b for a, b in zip(rates, llama, strict=True)]), 1.0)
+
+
 def table(sides: dict[str, Side], tokens: int) -> Table:
     ls = sides[LLAMA]
     t = Table(f"Decode, SmolLM2, {tokens} tokens a reply",
@@ -157,11 +163,13 @@ def table(sides: dict[str, Side], tokens: int) -> Table:
                "CPU over 3 s idle"])
     for s in sides.values():
         idle = "-" if s.pid is None else f"{s.idle_cpu_s:.2f} s"
-        t.add(s.name, f"{median(s.one):.1f}", ratio(median(s.one), median(ls.one)), f"{median(s.four):.1f}",
-              ratio(median(s.four), median(ls.four)), idle)
-    t.note = (f"Medians of {len(ls.one)} rounds. One stream: a reply's tokens over its first-to-last-token time. "
-              "Four streams: four requests at once on four sequences (llama-server -np 4), all tokens over the wall "
-              "time. OpenMP's wait policy changes no float, only when its threads sleep. barreld's default spins "
+        t.add(s.name, f"{median(s.one):.1f}", per_round(s.one, ls.one), f"{median(s.four):.1f}",
+              per_round(s.four, ls.four), idle)
+    t.note = (f"Medians of {len(ls.one)} rounds; a ratio is the median of each round's own ratio, its figures "
+              "measured back to back, since this machine's speed drifts by a fifth over minutes. One stream: a "
+              "reply's tokens over its first-to-last-token time. Four streams: four requests at once on four "
+              "sequences (llama-server -np 4), all tokens over the wall time, the prompts' prefills included. "
+              "OpenMP's wait policy changes no float, only when its threads sleep. barreld's default spins "
               "briefly: libgomp's own throttles to 100 spins once a process has two thread pools (the thread "
               "that loaded the model keeps one), and every barrier of a decode then sleeps; unbounded spinning "
               "(OMP_WAIT_POLICY=active alone) starves other busy processes on few cores.")
@@ -171,7 +179,7 @@ def table(sides: dict[str, Side], tokens: int) -> Table:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = bench_parser("bench.decode", __doc__, SECTION)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--tokens", type=int, default=200)
     args = p.parse_args(argv)
     m, t0 = begin()
