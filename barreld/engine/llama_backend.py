@@ -117,7 +117,7 @@ class LlamaBackend:
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(512)
         self._pieces: dict[int, bytes] = {}
-        self._eog: dict[int, bool] = {}  # asked once a token decoded: kept, as the pieces are
+        self._eog = bytearray(self.n_vocab)  # llama.cpp asked once a token: 0 not yet, 1 no, 2 yes
         self._tokenized: OrderedDict[tuple[bytes, bytes], array] = OrderedDict()  # (scope, text) -> tokens
         self._tokenized_count = 0
         self._tokenized_lock = threading.Lock()  # count_tokens tokenises on server threads
@@ -249,10 +249,10 @@ class LlamaBackend:
         return cached
 
     def is_eog(self, token: int) -> bool:
-        eog = self._eog.get(token)
-        if eog is None:
-            eog = self._eog[token] = bool(self._L.llama_vocab_is_eog(self._vocab, token))
-        return eog
+        known = self._eog[token]
+        if not known:
+            known = self._eog[token] = 2 if self._L.llama_vocab_is_eog(self._vocab, token) else 1
+        return known == 2
 
     def decode(self, items: list[BatchItem]) -> None:
         if not items or len(items) > self.n_batch:
