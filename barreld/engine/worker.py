@@ -344,7 +344,7 @@ class ModelWorker:
                 logits |= {i: self.backend.logits(i - start) for _, i in batch.prefills if start <= i < stop}
             # Prefill rows are copies (the next call overwrites them; a sequence keeps them); the sampling
             # steps, all in the last call, are read in place and taken before anything decodes again.
-            rows = [self.backend.row(i - start) for _, i in batch.samples]
+            rows = [self.backend.row(i - batch.calls[-1][0]) for _, i in batch.samples]
         except BackendError as exc:
             log.error("decode failed: %s", exc)
             for req in active:

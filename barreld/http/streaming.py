@@ -117,8 +117,7 @@ class Mailbox:
         with self._lock:
             items, self._items = self._items, deque()
             self._woken = False
-            if not self._closed:
-                os.read(self._read, 64)
+            os.read(self._read, 64)  # the one byte the first post wrote (the loop runs this only while it lives)
         for queue, item in items:
             queue.put_nowait(item)
 
