@@ -92,7 +92,7 @@ def model_json(m) -> dict:
         "tool_format": m.tool_format,
         "exact_reuse": {"grain": m.exact_reuse.grain, "min_batch": m.exact_reuse.min_batch,
                         "generated": m.exact_reuse.generated, "merged": m.exact_reuse.merged,
-                        "spans": m.exact_reuse.spans,
+                        "spans": m.exact_reuse.spans, "shared": m.exact_reuse.shared,
                         "source": m.exact_reuse.source, "probe_ms": m.exact_reuse.probe_ms,
                         "rule": m.exact_reuse.rule},
     }

@@ -17,7 +17,9 @@ verdict; none passing leaves the chunk rule. Then, at that pair, sixteen tokens 
 in for a reply: equal again, generated tokens are reusable too (with a quantised K/V cache, small float
 differences can round to the same bytes, so one token would prove little). Last, a cold prefill and those
 warm starts again in calls of up to n_batch tokens that end on chunk boundaries, as a prefill with the
-context to itself runs (`barreld.engine.plan`): equal, and such calls are allowed.
+context to itself runs (`barreld.engine.plan`): equal, and such calls are allowed. With several sequences, runs
+of equal length from each, at other depths and of other tokens, decoded in one call: where every sequence gets
+the floats of its run decoded alone, prefills of several sequences share a call (`_Probe._shared`).
 
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
@@ -45,8 +47,9 @@ log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
 MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
-PROBE_VERSION = 9  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 10  # a verdict of another version of the probe is measured again
 GENERATED = 16  # tokens decoded one at a time in the reply test
+SHARED_MAX = 4  # the most sequences the probe puts in one call, and so the most whose prefills share one
 PROBE_SEQ = 0
 PROBE_TEXT = (
     b"A river runs under the old stone bridge, past the garden where the letters were buried one morning in "
@@ -66,6 +69,7 @@ class ExactReuse:
     min_batch: int = 2
     merged: bool = False  # a lone prefill may put several whole chunks in one llama.cpp call
     spans: bool = False  # every call holds min_batch tokens at least (`plan.call_end`)
+    shared: int = 0  # up to this many sequences' prefill runs of equal length may share a call (0: none)
     source: str = "chunk"  # probe, memo, chunk (not measured: the coarse rule), or forced (policy reuse_grain)
     probe_ms: float = 0.0
 
@@ -81,7 +85,8 @@ class ExactReuse:
         elif self.grain < chunk and self.min_batch > 2:
             what += f" at least {self.min_batch} short of a chunk boundary"
         what += ", generated tokens too" if self.generated else ""
-        return what + ("; a lone prefill takes several chunks a call" if self.merged else "")
+        what += "; a lone prefill takes several chunks a call" if self.merged else ""
+        return what + (f"; prefills of up to {self.shared} sequences share a call" if self.shared else "")
 
     def as_dict(self, chunk: int) -> dict[str, object]:
         return {**asdict(self), "rule": self.describe(chunk)}
@@ -104,15 +109,16 @@ class ReuseProbe:
         kept = self.memo.get(key)
         if isinstance(kept, dict) and isinstance(kept.get("grain"), int) and memory.chunk % kept["grain"] == 0:
             return ExactReuse(kept["grain"], bool(kept.get("generated")), int(kept.get("min_batch", 2)),
-                              bool(kept.get("merged")), bool(kept.get("spans")), "memo",
-                              float(kept.get("probe_ms", 0)))
+                              bool(kept.get("merged")), bool(kept.get("spans")), int(kept.get("shared", 0)),
+                              "memo", float(kept.get("probe_ms", 0)))
         verdict = measure(backend, memory)
         if verdict.source == "probe":
             self.memo.put(key, {**asdict(verdict), "model": str(path), "at": time.time()})
-        log.info("%s: reuse grain %d, batches of %d tokens at least%s, generated tokens %s, %s (probe %.0f ms)",
-                 path.name, verdict.grain, verdict.min_batch, " in every call" if verdict.spans else "",
-                 "reusable" if verdict.generated else "not reusable",
-                 "several chunks a call" if verdict.merged else "one chunk a call", verdict.probe_ms)
+        log.info("%s: reuse grain %d, batches of %d tokens at least%s, generated tokens %s, %s, prefills of %d "
+                 "sequences a call (probe %.0f ms)", path.name, verdict.grain, verdict.min_batch,
+                 " in every call" if verdict.spans else "", "reusable" if verdict.generated else "not reusable",
+                 "several chunks a call" if verdict.merged else "one chunk a call", max(1, verdict.shared),
+                 verdict.probe_ms)
         return verdict
 
 
@@ -120,13 +126,16 @@ def measure(backend: Backend, memory: Memory) -> ExactReuse:
     """Probes on sequence 0 of an idle backend, which it leaves empty; any failure gives the chunk rule."""
     t0 = time.perf_counter()
     try:
-        grain, min_batch, generated, merged, spans = _Probe(backend, memory).run()
+        probe = _Probe(backend, memory)
+        grain, min_batch, generated, merged, spans = probe.run()
+        shared = probe.shared()
     except (BackendError, ValueError) as exc:
         log.warning("the reuse probe failed (%s); reuse stays at chunk boundaries", exc)
-        grain, min_batch, generated, merged, spans = memory.chunk, 2, False, False, False
+        grain, min_batch, generated, merged, spans, shared = memory.chunk, 2, False, False, False, 0
     finally:
-        backend.seq_rm(PROBE_SEQ, 0, -1)
-    return ExactReuse(grain, generated, min_batch, merged, spans, "probe",
+        for seq in range(min(backend.n_seq_max, SHARED_MAX)):
+            backend.seq_rm(seq, 0, -1)
+    return ExactReuse(grain, generated, min_batch, merged, spans, shared, "probe",
                       round((time.perf_counter() - t0) * 1000.0, 1))
 
 
@@ -168,6 +177,41 @@ class _Probe:
                 return (grain, min_batch, self._generated(grain, min_batch), merged,
                         self._spans(grain, min_batch, merged))
         return c, 2, False, self._merged([(self.base + c, False)], c, 2), False
+
+    def shared(self) -> int:
+        """How many sequences may prefill in one call: as many as the context holds, up to SHARED_MAX, where
+        each gets the state bytes and last logits of its run decoded alone, at another depth and of other
+        tokens than the rest, its rows after theirs in the call; tried with runs of a whole chunk, of about
+        half a chunk and of 7 tokens (under the tiled paths' 64 rows, and odd: kernels that take rows in groups
+        of 4 count them from a call's first row), each with as many sequences as n_batch holds. llama.cpp
+        cuts a call of several sequences into micro-batches of equally many tokens of each, so only runs of
+        equal length can share one without being cut. 0 where any differs, or on a ring, whose window is put
+        back in order after a call of one sequence only (`LlamaBackend.decode`)."""
+        n, c = min(self.be.n_seq_max, SHARED_MAX), self.memory.chunk
+        if n < 2 or self.memory.ring:
+            return 0
+        for length in sorted({c, c // 2 + 1, min(7, c)}, reverse=True):
+            seqs = list(range(min(n, self.be.n_batch // length)))
+            if len(seqs) < 2:
+                continue
+            tokens = [self.tokens[5 * s :] + self.tokens[: 5 * s] for s in seqs]
+            alone = {s: self._together([s], tokens, length)[s] for s in seqs}
+            if self._together(seqs[::-1], tokens, length) != alone:
+                return 0
+        return n
+
+    def _together(self, seqs: list[int], tokens: list[list[int]], length: int) -> dict[int, tuple[bytes, bytes]]:
+        """Each of `seqs` emptied and given a prefix of its own depth, then one call holding the next `length`
+        tokens of each, in that order; each one's state bytes and last logits."""
+        items = []
+        for s in seqs:
+            depth = 1 + 5 * s
+            self.be.seq_rm(s, 0, -1)
+            self.be.decode([BatchItem(tokens[s][p], p, s, False) for p in range(depth)])
+            items += [BatchItem(tokens[s][p], p, s, p == depth + length - 1) for p in range(depth, depth + length)]
+        self.be.decode(items)
+        return {s: (bytes(self.be.state_get(s)), self.be.logits((i + 1) * length - 1).tobytes())
+                for i, s in enumerate(seqs)}
 
     def _fewest_tail(self, grain: int, min_batch: int) -> bool:
         """On a ring, whose points above leave as many tokens as the probe's text has past them: prompts that

@@ -16,11 +16,12 @@ third rule, `spans`: every call holds min_batch tokens at least, running on past
 must. A warm start then reuses up to min_batch tokens before the prompt's end, not before the next chunk
 boundary, and a state whose last chunk was short is still reusable to its last token.
 
-Each prefill run is decoded in a llama.cpp call of its own, and the sampling steps in one after them. With
-several sequences (a KV stream each), llama.cpp cuts a batch into micro-batches holding equally many tokens of
-every sequence in it, so beside one sampling step a chunk's first token would go into a micro-batch of its own
-and take the one-token path (with flash attention, the path of any batch under 64 tokens); and kernels that
-take rows in groups count them from the call's first row.
+Each prefill run is decoded in a llama.cpp call of its own, or beside runs of equal length from other
+sequences where the load-time probe proved that each gets the floats it gets alone (`share_calls`), and the
+sampling steps in one call after them. With several sequences (a KV stream each), llama.cpp cuts a batch into
+micro-batches holding equally many tokens of every sequence in it, so beside one sampling step a chunk's first
+token would go into a micro-batch of its own and take the one-token path (with flash attention, the path of
+any batch under 64 tokens); and kernels that take rows in groups count them from the call's first row.
 """
 
 from __future__ import annotations
@@ -117,24 +118,34 @@ class DecodeBatch:
 
 
 def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bool = False,
-               merge: bool = False, min_batch: int = 2, spans: bool = False) -> DecodeBatch:
+               merge: bool = False, min_batch: int = 2, spans: bool = False, shared: int = 0) -> DecodeBatch:
     """The next whole chunk of each prefilling slot while n_batch has room for it beside the sampling steps,
     then the next token of every decoding slot. With `merge` (proven exact at load), a slot that is alone
     prefills as many whole chunks as n_batch holds in one call, up to its next stop, but for a last chunk of
-    fewer than min_batch tokens; with `spans`, every call holds min_batch tokens at least (`call_end`)."""
+    fewer than min_batch tokens; with `spans`, every call holds min_batch tokens at least (`call_end`). With
+    `shared` (proven exact at load for up to that many sequences), runs of equal length from several slots
+    share a call (`share_calls`)."""
     batch = DecodeBatch()
     decoding = [] if prefill_only else [i for i, s in enumerate(slots) if s.pending is not None]
     room = n_batch - len(decoding)
     alone = merge and len(slots) == 1
+    runs = []
     for i, s in enumerate(slots):
         if s.pending is not None or s.pos >= len(s.target):
             continue
         end = call_end(s.pos, len(s.target), chunk, n_batch if alone else 0, s.stops, min_batch, spans)
-        if end - s.pos > room - len(batch.items):
+        if end - s.pos > room:
             batch.waiting = True
             continue
-        batch.prefills.append((i, len(batch.items) + end - s.pos - 1))
-        batch.add([BatchItem(s.target[p], p, s.seq, p == end - 1) for p in range(s.pos, end)])
+        room -= end - s.pos
+        runs.append(Run(i, s, end))
+    for call in share_calls(runs, shared):
+        items = []
+        for run in call:
+            items += [BatchItem(run.slot.target[p], p, run.slot.seq, p == run.end - 1)
+                      for p in range(run.slot.pos, run.end)]
+            batch.prefills.append((run.index, len(batch.items) + len(items) - 1))
+        batch.add(items)
     samples = []
     for i in decoding:
         s = slots[i]
@@ -142,3 +153,34 @@ def plan_batch(slots: Sequence[Slot], chunk: int, n_batch: int, prefill_only: bo
         samples.append(BatchItem(s.pending, s.pos, s.seq, True))
     batch.add(samples)
     return batch
+
+
+@dataclass(frozen=True)
+class Run:
+    """A slot's prefill in this tick: its tokens from slot.pos to end."""
+
+    index: int
+    slot: Slot
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.slot.pos
+
+
+def share_calls(runs: list[Run], shared: int) -> list[list[Run]]:
+    """The runs grouped into llama.cpp calls: runs of equal length, two tokens at least, from up to `shared`
+    sequences share one (llama.cpp cuts a call of several sequences into micro-batches of equally many tokens
+    of each, so runs of other lengths would be cut, and a token alone takes another path); every other run is
+    a call of its own. Calls come in the order of their first runs."""
+    calls: list[list[Run]] = []
+    filling: dict[int, list[Run]] = {}
+    for run in runs:
+        call = filling.get(run.length) if shared > 1 and run.length > 1 else None
+        if call is None or len(call) >= shared:
+            call = []
+            calls.append(call)
+            if shared > 1 and run.length > 1:
+                filling[run.length] = call
+        call.append(run)
+    return calls

@@ -342,8 +342,7 @@ class ModelRegistry:
             ctx_params=ctx_bytes,
         )
         turn_ends = tuple(s.encode() for s in opts.stop)
-        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue, turn_ends=turn_ends,
-                             generated_exact=exact.generated, merge_chunks=exact.merged)
+        worker = ModelWorker(name, backend, cache, max_queue=self.max_queue, turn_ends=turn_ends, exact=exact)
         return LoadedModel(name, path, opts, policy, fingerprint, quant, worker, memory, backend.gpu_layers, exact)
 
     def _memory(self, backend: Backend, policy: Policy, path: Path, settings: ContextSettings

@@ -31,6 +31,7 @@ import numpy as np
 from barreld.engine import chat
 from barreld.engine.backend import Backend, BackendError, BatchItem
 from barreld.engine.divergence import LIVE, divergence
+from barreld.engine.exactness import ExactReuse
 from barreld.engine.gbnf import check_gbnf
 from barreld.engine.model_cache import ModelCache
 from barreld.engine.plan import Slot, byte_offsets, call_end, plan_batch
@@ -75,7 +76,7 @@ def _ms(seconds: float) -> float:
 
 class ModelWorker:
     def __init__(self, name: str, backend: Backend, cache: ModelCache, *, max_queue: int = DEFAULT_MAX_QUEUE,
-                 turn_ends: tuple[bytes, ...] = (), generated_exact: bool = False, merge_chunks: bool = False):
+                 turn_ends: tuple[bytes, ...] = (), exact: ExactReuse | None = None):
         self.name = name
         self.backend = backend
         self.cache = cache
@@ -85,8 +86,7 @@ class ModelWorker:
         # its template's end-of-turn token, but writes the next turn's marker. A reply that reaches one ends
         # as if the model had ended its turn (not as a stop sequence the client asked for).
         self.turn_ends = turn_ends
-        self.generated_exact = generated_exact  # measured at load: a sampled token's KV is a prefill's
-        self.merge_chunks = merge_chunks  # measured at load: calls of several chunks give the chunked floats
+        self.exact = exact or ExactReuse(cache.memory.chunk)  # measured at load: how calls may be grouped
         self.seqs = [Sequence(i) for i in range(backend.n_seq_max)]
         # A completion has at least one token: end-of-generation is masked at the first step, or an
         # instruct model given a bare question would often answer with nothing at all.
@@ -333,8 +333,8 @@ class ModelWorker:
         active = list(self._active)
         slots = [Slot(r.seq, len(self.seqs[r.seq].tokens), r.target, r.pending, r.stops) for r in active]
         memory = self.cache.memory
-        batch = plan_batch(slots, memory.chunk, self.backend.n_batch, prefill_only, self.merge_chunks,
-                           memory.min_batch, memory.spans)
+        batch = plan_batch(slots, memory.chunk, self.backend.n_batch, prefill_only, self.exact.merged,
+                           memory.min_batch, memory.spans, self.exact.shared)
         if not batch.items:
             return batch.waiting
         logits: dict[int, np.ndarray] = {}
@@ -384,7 +384,7 @@ class ModelWorker:
     def _sampled(self, req: Request, logits: np.ndarray) -> None:
         """The pending token is in KV now; a continued checkpoint if due, then the next token."""
         seq = self.seqs[req.seq]
-        seq.append(req.pending, self.backend.piece(req.pending), prefilled=self.generated_exact)
+        seq.append(req.pending, self.backend.piece(req.pending), prefilled=self.exact.generated)
         req.pending = None
         if self.cache.continued_due(req.generated):
             self.cache.save_async(seq, SaveReason.CONTINUED)

@@ -314,7 +314,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., n_ctx: _Optional[int] = ..., n_batch: _Optional[int] = ..., n_seq_max: _Optional[int] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., live: _Optional[int] = ..., policy: _Optional[_Mapping[str, str]] = ..., quant: _Optional[str] = ..., is_default: _Optional[bool] = ..., memory: _Optional[str] = ..., swa_window: _Optional[int] = ..., reuse: _Optional[str] = ..., n_threads: _Optional[int] = ..., n_gpu_layers: _Optional[int] = ..., gpu_layers: _Optional[int] = ..., flash_attn: _Optional[bool] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., swa_full: _Optional[bool] = ..., prefill_chunk: _Optional[int] = ..., error: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ..., tool_format: _Optional[str] = ..., exact_reuse: _Optional[_Union[ExactReuse, _Mapping]] = ..., settling: _Optional[bool] = ...) -> None: ...
 
 class ExactReuse(_message.Message):
-    __slots__ = ("grain", "generated", "source", "probe_ms", "rule", "min_batch", "merged", "spans")
+    __slots__ = ("grain", "generated", "source", "probe_ms", "rule", "min_batch", "merged", "spans", "shared")
     GRAIN_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class ExactReuse(_message.Message):
     MIN_BATCH_FIELD_NUMBER: _ClassVar[int]
     MERGED_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     grain: int
     generated: bool
     source: str
@@ -331,7 +332,8 @@ class ExactReuse(_message.Message):
     min_batch: int
     merged: bool
     spans: bool
-    def __init__(self, grain: _Optional[int] = ..., generated: _Optional[bool] = ..., source: _Optional[str] = ..., probe_ms: _Optional[float] = ..., rule: _Optional[str] = ..., min_batch: _Optional[int] = ..., merged: _Optional[bool] = ..., spans: _Optional[bool] = ...) -> None: ...
+    shared: int
+    def __init__(self, grain: _Optional[int] = ..., generated: _Optional[bool] = ..., source: _Optional[str] = ..., probe_ms: _Optional[float] = ..., rule: _Optional[str] = ..., min_batch: _Optional[int] = ..., merged: _Optional[bool] = ..., spans: _Optional[bool] = ..., shared: _Optional[int] = ...) -> None: ...
 
 class UnloadModelRequest(_message.Message):
     __slots__ = ("name",)

@@ -181,3 +181,46 @@ def test_with_flash_attention_a_chunk_beside_another_sequences_token_gets_other_
         assert states[0] != states[1]
     finally:
         be.close()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("model", "swa_full"), [("smollm2", False), ("gemma", True), ("recurrent", False)])
+def test_prefills_that_share_calls_end_in_the_states_each_gets_alone(model: str, swa_full: bool) -> None:
+    """The probe's verdict (`exactness._Probe.shared`) checked on other prompts, through the planner: three
+    prompts of other lengths prefilled together, calls shared as the verdict allows, against each prefilled
+    alone. On SmolLM2 with flash attention (its default), Gemma 3 with full-length window caches and a Mamba."""
+    from barreld.engine.exactness import measure
+    from barreld.engine.llama_backend import LlamaBackend
+    from barreld.engine.plan import Slot, plan_batch
+    from barreld.engine.registry import model_memory
+    from tests.support.sandbox_models import gemma_path, tiny_recurrent_path
+
+    path = {"smollm2": lambda: Path(bundled_model_path("smollm2") or ""), "gemma": gemma_path,
+            "recurrent": tiny_recurrent_path}[model]()
+    be = LlamaBackend(path, ContextSettings(n_ctx=512, n_batch=256, n_seq_max=3, flash_attn=None, swa_full=swa_full))
+    try:
+        memory = model_memory(be, 64)
+        verdict = measure(be, memory)
+        assert verdict.shared == 3, verdict
+        text = be.tokenize(TEXT * 12)
+        prompts = {seq: text[3 * seq : 3 * seq + n] for seq, n in enumerate((200, 171, 230))}
+
+        def prefilled(seqs: list[int], shared: int) -> tuple[dict[int, bytes], int]:
+            pos, together = dict.fromkeys(seqs, 0), 0
+            for seq in seqs:
+                be.seq_rm(seq, 0, -1)
+            while slots := [Slot(s, pos[s], prompts[s], None) for s in seqs if pos[s] < len(prompts[s])]:
+                batch = plan_batch(slots, memory.chunk, be.n_batch, True, False, verdict.min_batch, verdict.spans,
+                                   shared)
+                for a, b in batch.calls:
+                    be.decode(batch.items[a:b])
+                    together += len({it.seq for it in batch.items[a:b]}) > 1
+                for it in batch.items:
+                    pos[it.seq] = it.pos + 1
+            return {s: bytes(be.state_get(s)) for s in seqs}, together
+
+        alone = {seq: prefilled([seq], 0)[0][seq] for seq in prompts}
+        states, together = prefilled(list(prompts), verdict.shared)
+        assert together >= 2 and states == alone
+    finally:
+        be.close()

@@ -3,6 +3,7 @@ serving at the grain it finds: every reply a cold prefill's, the reply settled a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from barreld.engine.sequence import PROMPT_LOGITS_KEPT, Sequence
 from barreld.names import MemoryKind
 from tests.fakes.backend import FakeBackend, write_gguf
 
-from .conftest import CHUNK, Engine, WatchedStore, plain
+from .conftest import CHUNK, Engine, WatchedStore, collect, plain
 
 SETTINGS = ContextSettings(n_ctx=256, n_batch=64)
 
@@ -110,6 +111,43 @@ def test_a_ring_is_reused_at_the_grain_every_point_of_a_chunk_proves(tmp_path: P
     plain = measure(plain_ring, model_memory(plain_ring, 64))
     assert (plain.grain, plain.min_batch) == (1, 8)
     assert shifted.seq_pos_range(0) == (-1, -1)
+
+
+def test_prefills_of_several_sequences_share_a_call_where_each_gets_its_floats_alone(tmp_path: Path) -> None:
+    settings = ContextSettings(n_ctx=256, n_batch=64, n_seq_max=3)
+    be = opened(write_gguf(tmp_path / "m.gguf"), settings)
+    verdict = measure(be, model_memory(be, 16))
+    assert verdict.shared == 3 and "prefills of up to 3 sequences share a call" in verdict.describe(16)
+    assert all(be.seq_pos_range(seq) == (-1, -1) for seq in range(3))  # the probe leaves them empty
+    beside = opened(write_gguf(tmp_path / "b.gguf", beside=True), settings)
+    assert measure(beside, model_memory(beside, 16)).shared == 0
+    alone = opened(write_gguf(tmp_path / "a.gguf"), ContextSettings(n_ctx=256, n_batch=64))
+    assert measure(alone, model_memory(alone, 16)).shared == 0  # one sequence: nothing to share
+    ring = opened(write_gguf(tmp_path / "r.gguf", memory=MemoryKind.SWA, window=32), dataclasses.replace(
+        settings, n_ctx=512))
+    assert measure(ring, model_memory(ring, 64)).shared == 0  # its window is ordered after a lone call only
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_prompts_arriving_together_prefill_in_shared_calls_and_reply_as_cold(
+    tmp_path: Path, store: WatchedStore, beside: bool
+) -> None:
+    model = write_gguf(tmp_path / "fake.gguf", beside=beside)
+    e = Engine(tmp_path, store, model_file=model, reuse_probe=ReuseProbe(tmp_path / "memo.json"))
+    assert e.load(n_seq_max=3).exact_reuse.shared == (0 if beside else 3)
+    be = e.backend()
+    mark, prompts = len(be.calls), [plain(n, 20 + i) for i, n in enumerate((40, 35, 44))]  # last chunks 8, 3, 4
+    be.hold()
+    first = e.submit(prompts[0])
+    assert be.wait_held()
+    rest = [e.submit(p) for p in prompts[1:]]
+    be.release()
+    replies = [collect(r) for r in (first, *rest)]
+    runs = [[sum(it.seq == s for it in c.items) for s in range(3)] for c in be.calls[mark:] if c.op == "decode"]
+    assert ([CHUNK] * 3 in runs) == (not beside)  # the second chunk of one, the first of the others
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert reply.text == e.cold(prompt).text
+    e.close()
 
 
 def test_a_fewest_batch_the_chunk_cannot_hold_twice_keeps_the_chunk_rule(tmp_path: Path) -> None:

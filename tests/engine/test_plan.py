@@ -34,6 +34,22 @@ def test_each_prefill_goes_to_llama_cpp_in_a_call_of_its_own_and_the_sampling_st
     assert batch.prefills == [(0, 4), (1, 20)] and batch.samples == [(2, 21)]
 
 
+def test_runs_of_equal_length_from_up_to_shared_sequences_share_a_call() -> None:
+    """Where the probe proved it: llama.cpp keeps runs of equal length whole in one micro-batch. A run of
+    another length, or of one token (the one-token path), is a call of its own; calls come in the order of
+    their first runs, and the sampling steps after them all."""
+    slots = [slot(0, 0, 40), slot(1, 32, 37), slot(2, 32, 80), slot(3, 0, 1), slot(4, 0, 50), slot(5, 3, 3, 9)]
+    batch = plan_batch(slots, chunk=16, n_batch=80, shared=3)
+    calls = [[(it.seq, it.pos) for it in batch.items[a:b]] for a, b in batch.calls]
+    assert [sorted({seq for seq, _ in call}) for call in calls] == [[0, 2, 4], [1], [3], [5]]
+    assert calls[0] == [(s, p) for s, start in ((0, 0), (2, 32), (4, 0)) for p in range(start, start + 16)]
+    assert batch.prefills == [(0, 15), (2, 31), (4, 47), (1, 52), (3, 53)] and batch.samples == [(5, 54)]
+    two = plan_batch(slots, chunk=16, n_batch=80, shared=2)
+    assert [sorted({it.seq for it in two.items[a:b]}) for a, b in two.calls] == [[0, 2], [1], [3], [4], [5]]
+    assert plan_batch(slots, chunk=16, n_batch=80).calls == [(0, 16), (16, 21), (21, 37), (37, 38), (38, 54),
+                                                             (54, 55)]  # not proven: a call each
+
+
 def test_chunks_end_at_absolute_multiples_of_the_chunk_size() -> None:
     """A prefill that starts at a restored boundary splits where a cold one does, one-token tail included."""
     assert [it.pos for it in plan_batch([slot(0, 0, 41)], 16, 64).items] == list(range(16))
@@ -81,15 +97,16 @@ def test_common_prefix_of_token_lists() -> None:
     st.integers(1, 40),
     st.integers(9, 64),
     st.booleans(),
+    st.sampled_from([0, 2, 3]),
 )
-def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill_only: bool) -> None:
+def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill_only: bool, shared: int) -> None:
     chunk = min(chunk, n_batch)
     slots = []
     for seq, (pos, extra, decoding) in enumerate(raw):
         pending = 1 if decoding else None
         aligned = pos // chunk * chunk  # a prefill resumes at a chunk boundary
         slots.append(slot(seq, pos + extra if decoding else aligned, pos + extra, pending))
-    batch = plan_batch(slots, chunk, n_batch, prefill_only)
+    batch = plan_batch(slots, chunk, n_batch, prefill_only, shared=shared)
     assert len(batch.items) <= max(n_batch, len(slots))
     rows = [i for i, it in enumerate(batch.items) if slots[it.seq].pending is not None]
     assert rows == list(range(len(batch.items) - len(rows), len(batch.items)))  # sampling steps last
@@ -101,12 +118,18 @@ def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill
             continue
         assert [it.token for it in mine] == list(s.target[s.pos : s.pos + len(mine)])
         assert [it.logits for it in mine] == [False] * (len(mine) - 1) + [True] * bool(mine)
-        if mine:  # exactly the canonical chunk, in a llama.cpp call of its own
+        if mine:  # exactly the canonical chunk, in a llama.cpp call of its own or beside runs of its length
             assert s.pos + len(mine) == chunk_end(s.pos, len(s.target), chunk)
-            assert (batch.items.index(mine[0]), batch.items.index(mine[0]) + len(mine)) in batch.calls
+            first = batch.items.index(mine[0])
+            call = next(batch.items[a:b] for a, b in batch.calls if a <= first < b)
+            runs = {it.seq: sum(x.seq == it.seq for x in call) for it in call}
+            assert call == mine or (len(mine) > 1 and set(runs.values()) == {len(mine)} and len(runs) <= shared)
         elif s.pos < len(s.target):
             assert batch.waiting
     assert [i for c in batch.calls for i in range(*c)] == list(range(len(batch.items)))
+    for a, b in batch.calls[:-1] if batch.samples else batch.calls:  # runs sharing a call: each a sequence's own
+        seqs = [it.seq for it in batch.items[a:b]]
+        assert seqs == sorted(seqs, key=seqs.index)
 
 
 def test_a_short_last_chunk_stays_a_call_of_its_own_when_chunks_are_merged() -> None:

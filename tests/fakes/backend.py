@@ -137,6 +137,7 @@ class FakeBackend:
         self.swa_window = int(meta.get("fake.window", "0"))
         self.swa_full = settings.swa_full and self.swa_window > 0
         self.split_sensitive = meta.get("fake.split") == "1"
+        self.beside_sensitive = meta.get("fake.beside") == "1"
         self.flash_attn = resolve_flash_attn(settings.flash_attn, self.memory, settings.swa_full)
         self.min_batch = max(int(meta.get("fake.min_batch", "2")), 64 if self.flash_attn else 2)
         slots = settings.n_ctx if self.swa_full else min(settings.n_ctx, self.swa_window + settings.n_batch)
@@ -177,11 +178,16 @@ class FakeBackend:
         for it in items:
             runs.setdefault(it.seq, []).append(it.pos)
         self._last = {}
+        cut = len({len(run) for run in runs.values()}) > 1
         for i, it in enumerate(items):
             run = runs[it.seq]
             # llama.cpp cuts a batch of several sequences into micro-batches with equally many tokens of each:
-            # beside one token of another sequence, a run's first token is in a micro-batch of its own.
-            split = b"alone" if len(runs) > 1 and it.pos == run[0] and len(run) > 1 else self._split(run)
+            # beside one token of another sequence, a run's first token is in a micro-batch of its own. Runs of
+            # equal length stay whole, each with its own floats, unless the model says otherwise.
+            if cut and it.pos == run[0] and len(run) > 1:
+                split = b"alone"
+            else:
+                split = self._split(run) + (b"beside" if self.beside_sensitive and len(runs) > 1 < len(run) else b"")
             digest = self.seqs[it.seq].add(it.pos, it.token, split)
             if it.logits:
                 self._last[i] = logits_of(digest)
@@ -420,11 +426,12 @@ def read_meta(data: bytes) -> dict[str, str]:
 
 def write_gguf(
     path: Path, name: str = "fake", memory: MemoryKind = MemoryKind.FULL, window: int = 0, split: bool = False,
-    min_batch: int = 0,
+    min_batch: int = 0, beside: bool = False,
 ) -> Path:
     """A minimal valid GGUF v3 (string metadata, one small tensor), so the real fingerprint code reads it; the
-    metadata names the memory kind, its sliding window, whether logits depend on the batch split, and the
-    fewest tokens a batch needs for a token's usual floats."""
+    metadata names the memory kind, its sliding window, whether logits depend on the batch split, the fewest
+    tokens a batch needs for a token's usual floats, and whether a prefill's floats depend on other sequences
+    beside it in the call."""
 
     def string(s: bytes) -> bytes:
         return struct.pack("<Q", len(s)) + s
@@ -435,6 +442,8 @@ def write_gguf(
                (b"fake.split", b"1" if split else b"0")]
     if min_batch:
         kv += [(b"fake.min_batch", str(min_batch).encode())]
+    if beside:
+        kv += [(b"fake.beside", b"1")]
     head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kv))
     head += b"".join(string(k) + struct.pack("<I", 8) + string(v) for k, v in kv)
     head += string(b"token_embd.weight") + struct.pack("<IQIQ", 1, 8, 0, 0)  # 1 dim of 8, F32, offset 0
