@@ -19,7 +19,7 @@ differences can round to the same bytes, so one token would prove little). Last,
 warm starts again in calls of up to n_batch tokens that end on chunk boundaries, as a prefill with the
 context to itself runs (`barreld.engine.plan`): equal, and such calls are allowed. With several sequences, runs
 of equal length from each, at other depths and of other tokens, decoded in one call: where every sequence gets
-the floats of its run decoded alone, prefills of several sequences share a call (`_Probe._shared`).
+the floats of its run decoded alone, prefills of several sequences share a call (`_Probe.shared`).
 
 The verdict is remembered per library, CPU, model file and the context settings that change the floats
 (K/V types, flash attention, swa_full, offloaded layers, streams; not the thread count, measured to change
@@ -123,7 +123,8 @@ class ReuseProbe:
 
 
 def measure(backend: Backend, memory: Memory) -> ExactReuse:
-    """Probes on sequence 0 of an idle backend, which it leaves empty; any failure gives the chunk rule."""
+    """Probes on sequence 0 of an idle backend (and on up to SHARED_MAX for shared calls), which it leaves
+    empty; any failure gives the chunk rule."""
     t0 = time.perf_counter()
     try:
         probe = _Probe(backend, memory)
