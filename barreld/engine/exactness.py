@@ -182,12 +182,14 @@ class _Probe:
     def shared(self) -> int:
         """How many sequences may prefill in one call: as many as the context holds, up to SHARED_MAX, where
         each gets the state bytes and last logits of its run decoded alone, at another depth and of other
-        tokens than the rest, its rows after theirs in the call; tried with runs of a whole chunk, of about
-        half a chunk and of 7 tokens (under the tiled paths' 64 rows, and odd: kernels that take rows in groups
-        of 4 count them from a call's first row), each with as many sequences as n_batch holds. llama.cpp
-        cuts a call of several sequences into micro-batches of equally many tokens of each, so only runs of
-        equal length can share one without being cut. 0 where any differs, or on a ring, whose window is put
-        back in order after a call of one sequence only (`LlamaBackend.decode`)."""
+        tokens than the rest, in one micro-batch with them (ids 0, 1, ... in ascending order, as llama.cpp
+        puts several sequences in one only while each id follows the one before, so every row but the first
+        sequence's sits after others'); tried with runs of a whole chunk, of about half a chunk and of 7 tokens
+        (under the tiled paths' 64 rows, and odd: kernels that take rows in groups of 4 count them from a
+        call's first row), each with as many sequences as n_batch holds. llama.cpp cuts a call of several
+        sequences into micro-batches of equally many tokens of each, so only runs of equal length can share
+        one without being cut. 0 where any differs, or on a ring, whose window is put back in order after a
+        call of one sequence only (`LlamaBackend.decode`)."""
         n, c = min(self.be.n_seq_max, SHARED_MAX), self.memory.chunk
         if n < 2 or self.memory.ring:
             return 0
@@ -197,7 +199,7 @@ class _Probe:
                 continue
             tokens = [self.tokens[5 * s :] + self.tokens[: 5 * s] for s in seqs]
             alone = {s: self._together([s], tokens, length)[s] for s in seqs}
-            if self._together(seqs[::-1], tokens, length) != alone:
+            if self._together(seqs, tokens, length) != alone:
                 return 0
         return n
 

@@ -16,8 +16,8 @@ third rule, `spans`: every call holds min_batch tokens at least, running on past
 must. A warm start then reuses up to min_batch tokens before the prompt's end, not before the next chunk
 boundary, and a state whose last chunk was short is still reusable to its last token.
 
-Each prefill run is decoded in a llama.cpp call of its own, or beside runs of equal length from other
-sequences where the load-time probe proved that each gets the floats it gets alone (`share_calls`), and the
+Each prefill run is decoded in a llama.cpp call of its own, or beside runs of equal length from sequences of
+the next ids where the load-time probe proved that each gets the floats it gets alone (`share_calls`), and the
 sampling steps in one call after them. With several sequences (a KV stream each), llama.cpp cuts a batch into
 micro-batches holding equally many tokens of every sequence in it, so beside one sampling step a chunk's first
 token would go into a micro-batch of its own and take the one-token path (with flash attention, the path of
@@ -170,14 +170,16 @@ class Run:
 
 def share_calls(runs: list[Run], shared: int) -> list[list[Run]]:
     """The runs grouped into llama.cpp calls: runs of equal length, two tokens at least, from up to `shared`
-    sequences share one (llama.cpp cuts a call of several sequences into micro-batches of equally many tokens
-    of each, so runs of other lengths would be cut, and a token alone takes another path); every other run is
-    a call of its own. Calls come in the order of their first runs."""
+    sequences of consecutive ids share one, in ascending order; every other run is a call of its own. llama.cpp
+    cuts a call of several sequences into micro-batches of equally many tokens of each, and puts sequences in
+    one micro-batch only while each id follows the one before: runs of other lengths would be cut, sequences
+    out of order would each get a micro-batch anyway, and a token alone takes another path. Calls come in
+    the order of their first runs' sequences."""
     calls: list[list[Run]] = []
     filling: dict[int, list[Run]] = {}
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r.slot.seq):
         call = filling.get(run.length) if shared > 1 and run.length > 1 else None
-        if call is None or len(call) >= shared:
+        if call is None or len(call) >= shared or call[-1].slot.seq + 1 != run.slot.seq:
             call = []
             calls.append(call)
             if shared > 1 and run.length > 1:

@@ -35,19 +35,23 @@ def test_each_prefill_goes_to_llama_cpp_in_a_call_of_its_own_and_the_sampling_st
 
 
 def test_runs_of_equal_length_from_up_to_shared_sequences_share_a_call() -> None:
-    """Where the probe proved it: llama.cpp keeps runs of equal length whole in one micro-batch. A run of
-    another length, or of one token (the one-token path), is a call of its own; calls come in the order of
-    their first runs, and the sampling steps after them all."""
-    slots = [slot(0, 0, 40), slot(1, 32, 37), slot(2, 32, 80), slot(3, 0, 1), slot(4, 0, 50), slot(5, 3, 3, 9)]
+    """Where the probe proved it: llama.cpp keeps runs of equal length whole in one micro-batch, and takes
+    several sequences into one only while each id follows the one before. A run of another length, of one
+    token (the one-token path) or of a sequence out of that order is a call of its own; calls come in the order
+    of their first sequences, and the sampling steps after them all."""
+    slots = [slot(2, 32, 80), slot(0, 0, 40), slot(1, 16, 37), slot(3, 32, 37), slot(4, 0, 50), slot(5, 3, 3, 9),
+             slot(6, 0, 1)]
     batch = plan_batch(slots, chunk=16, n_batch=80, shared=3)
     calls = [[(it.seq, it.pos) for it in batch.items[a:b]] for a, b in batch.calls]
-    assert [sorted({seq for seq, _ in call}) for call in calls] == [[0, 2, 4], [1], [3], [5]]
-    assert calls[0] == [(s, p) for s, start in ((0, 0), (2, 32), (4, 0)) for p in range(start, start + 16)]
-    assert batch.prefills == [(0, 15), (2, 31), (4, 47), (1, 52), (3, 53)] and batch.samples == [(5, 54)]
+    assert [sorted({seq for seq, _ in call}) for call in calls] == [[0, 1, 2], [3], [4], [6], [5]]
+    assert calls[0] == [(s, p) for s, start in ((0, 0), (1, 16), (2, 32)) for p in range(start, start + 16)]
+    assert batch.prefills == [(1, 15), (2, 31), (0, 47), (3, 52), (4, 68), (6, 69)] and batch.samples == [(5, 70)]
     two = plan_batch(slots, chunk=16, n_batch=80, shared=2)
-    assert [sorted({it.seq for it in two.items[a:b]}) for a, b in two.calls] == [[0, 2], [1], [3], [4], [5]]
-    assert plan_batch(slots, chunk=16, n_batch=80).calls == [(0, 16), (16, 21), (21, 37), (37, 38), (38, 54),
-                                                             (54, 55)]  # not proven: a call each
+    assert [sorted({it.seq for it in two.items[a:b]}) for a, b in two.calls] == [[0, 1], [2], [3], [4], [6], [5]]
+    apart = plan_batch([slot(0, 0, 16), slot(1, 0, 5), slot(2, 0, 16)], chunk=16, n_batch=80, shared=3)
+    assert [sorted({it.seq for it in apart.items[a:b]}) for a, b in apart.calls] == [[0], [1], [2]]  # 0, 2: not next
+    assert plan_batch(slots, chunk=16, n_batch=80).calls == [(0, 16), (16, 32), (32, 48), (48, 53), (53, 69),
+                                                             (69, 70), (70, 71)]  # not proven: a call each
 
 
 def test_chunks_end_at_absolute_multiples_of_the_chunk_size() -> None:
@@ -123,7 +127,9 @@ def test_every_plan_keeps_the_rules(raw: list, chunk: int, n_batch: int, prefill
             first = batch.items.index(mine[0])
             call = next(batch.items[a:b] for a, b in batch.calls if a <= first < b)
             runs = {it.seq: sum(x.seq == it.seq for x in call) for it in call}
-            assert call == mine or (len(mine) > 1 and set(runs.values()) == {len(mine)} and len(runs) <= shared)
+            ids = list(runs)
+            assert call == mine or (len(mine) > 1 and set(runs.values()) == {len(mine)} and len(runs) <= shared
+                                    and ids == list(range(ids[0], ids[0] + len(ids))))
         elif s.pos < len(s.target):
             assert batch.waiting
     assert [i for c in batch.calls for i in range(*c)] == list(range(len(batch.items)))
