@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 GRAINS = (1, 2, 4, 8, 16, 32, 64)  # each must divide the chunk and leave room in it
 MIN_BATCHES = (2, 8, 64)  # the fewest tokens of a batch off a chunk boundary; tried with every grain
-PROBE_VERSION = 10  # a verdict of another version of the probe is measured again
+PROBE_VERSION = 11  # a verdict of another version of the probe is measured again (10 could share calls not proven)
 GENERATED = 16  # tokens decoded one at a time in the reply test
 SHARED_MAX = 4  # the most sequences the probe puts in one call, and so the most whose prefills share one
 PROBE_SEQ = 0
