@@ -178,11 +178,11 @@ def share_calls(runs: list[Run], shared: int) -> list[list[Run]]:
     calls: list[list[Run]] = []
     filling: dict[int, list[Run]] = {}
     for run in sorted(runs, key=lambda r: r.slot.seq):
-        call = filling.get(run.length) if shared > 1 and run.length > 1 else None
+        may_share = shared > 1 and run.length > 1
+        call = filling.get(run.length) if may_share else None
         if call is None or len(call) >= shared or call[-1].slot.seq + 1 != run.slot.seq:
-            call = []
-            calls.append(call)
-            if shared > 1 and run.length > 1:
+            calls.append(call := [])
+            if may_share:
                 filling[run.length] = call
         call.append(run)
     return calls
