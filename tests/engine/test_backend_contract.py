@@ -214,10 +214,10 @@ def test_prefills_that_share_calls_end_in_the_states_each_gets_alone(model: str,
             plans ticks with `shared`; each one's state and last logits, and how many calls held several
             sequences."""
             pos, together, last = dict.fromkeys(seqs, 0), 0, {}
+            targets = {s: prompts[s][: runs or None] for s in seqs}
             for seq in seqs:
                 be.seq_rm(seq, 0, -1)
-            while slots := [Slot(s, pos[s], prompts[s][: runs or None], None) for s in seqs
-                            if pos[s] < len(prompts[s][: runs or None])]:
+            while slots := [Slot(s, pos[s], targets[s], None) for s in seqs if pos[s] < len(targets[s])]:
                 batch = plan_batch(slots, memory.chunk, be.n_batch, True, False, verdict.min_batch, verdict.spans,
                                    shared)
                 for a, b in batch.calls:
